@@ -1,0 +1,108 @@
+//! The library's typed error.
+//!
+//! Every error says what was wrong and what to do about it. Errors from candle itself are
+//! wrapped in [`AmpError::Candle`] so that `?` works across both.
+
+use candle_core::DType;
+
+/// The result type of every fallible function in this crate.
+pub type Result<T> = std::result::Result<T, AmpError>;
+
+/// Everything that can go wrong in candle-amp.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AmpError {
+    /// An opt-level property override that the level does not accept (Apex's rules), or a
+    /// value out of range.
+    #[error("invalid AMP property `{property}` at {level}: {reason}")]
+    InvalidOverride {
+        /// The property's name, as in the opt-level table.
+        property: &'static str,
+        /// The opt level it was applied to.
+        level: String,
+        /// Why it was rejected and what to do instead.
+        reason: String,
+    },
+
+    /// A string that names no opt level, half type or loss scale.
+    #[error("cannot parse {what} from {input:?}: {expected}")]
+    Parse {
+        /// What was being parsed ("opt level", "half type", "loss scale").
+        what: &'static str,
+        /// The text that was given.
+        input: String,
+        /// What would have been accepted.
+        expected: &'static str,
+    },
+
+    /// The guard and optimizer were called in an order that would corrupt training.
+    #[error("wrong call order: {0}")]
+    CallOrder(String),
+
+    /// A loss id outside `0..num_losses`.
+    #[error(
+        "loss id {id} is out of range: this AMP handle has {num_losses} loss scaler(s); pass `num_losses` to the config to get more"
+    )]
+    LossId {
+        /// The id that was asked for.
+        id: usize,
+        /// How many scalers exist.
+        num_losses: usize,
+    },
+
+    /// Gradients have been non-finite for `skips` optimizer steps in a row: training is not
+    /// making progress and the loss scale cannot fix it.
+    #[error(
+        "gradients were non-finite for {skips} consecutive steps (loss scaler {loss_id}, loss scale {scale}); \
+         non-finite gradients in: {params}. The forward pass or the loss itself produces inf/NaN: check the \
+         inputs, lower the learning rate, or run at O0 to find the op that overflows"
+    )]
+    PersistentOverflow {
+        /// The scaler that kept skipping.
+        loss_id: usize,
+        /// How many steps in a row were skipped.
+        skips: u32,
+        /// The scale at the last skip.
+        scale: f32,
+        /// Comma-separated names of the parameters whose gradients were non-finite at the last
+        /// step (`"<loss>"` when the loss itself was non-finite).
+        params: String,
+    },
+
+    /// A parameter was requested twice with different shapes, or a name is unknown.
+    #[error("parameter `{name}`: {reason}")]
+    Parameter {
+        /// The dotted parameter name.
+        name: String,
+        /// What was wrong.
+        reason: String,
+    },
+
+    /// A tensor had a dtype that the operation cannot take.
+    #[error("unsupported dtype {dtype:?} for {op}: {hint}")]
+    DType {
+        /// The offending dtype.
+        dtype: DType,
+        /// The operation.
+        op: &'static str,
+        /// What to do instead.
+        hint: &'static str,
+    },
+
+    /// Optimizer state that does not fit the optimizer it is loaded into.
+    #[error("optimizer state: {0}")]
+    OptimizerState(String),
+
+    /// An error from candle.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+impl From<AmpError> for candle_core::Error {
+    fn from(e: AmpError) -> Self {
+        match e {
+            AmpError::Candle(c) => c,
+            other => candle_core::Error::wrap(other),
+        }
+    }
+}

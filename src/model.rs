@@ -1,0 +1,105 @@
+//! The model wrapper: casts inputs to the model type and outputs to f32.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use candle_core::{DType, Tensor};
+use candle_nn::ModuleT;
+
+use crate::opt_level::Properties;
+
+/// A model built by [`crate::initialize`] or [`crate::Amp::model`].
+///
+/// [`forward`](Self::forward) casts floating inputs to the model type (integer inputs such as
+/// token ids are never cast), runs the model in training or evaluation mode (see
+/// [`train`](Self::train)/[`eval`](Self::eval); training by default, as in PyTorch), and
+/// casts floating outputs to `cast_model_outputs`, or to f32 when the model is cast.
+///
+/// It implements `ModuleT`; candle's blanket `impl<M: Module> ModuleT for M` means it cannot
+/// also implement `Module`, hence the inherent `forward`. A model whose forward takes other
+/// arguments can call [`cast_input`](Self::cast_input) and [`cast_output`](Self::cast_output)
+/// around its own call on [`inner`](Self::inner).
+#[derive(Debug)]
+pub struct AmpModel<M> {
+    inner: M,
+    input_dtype: Option<DType>,
+    output_dtype: Option<DType>,
+    training: AtomicBool,
+}
+
+impl<M> AmpModel<M> {
+    pub(crate) fn new(inner: M, props: &Properties) -> Self {
+        Self {
+            inner,
+            input_dtype: props.cast_model_type,
+            output_dtype: props.output_dtype(),
+            training: AtomicBool::new(true),
+        }
+    }
+
+    /// The wrapped model.
+    pub fn inner(&self) -> &M {
+        &self.inner
+    }
+
+    /// The wrapped model, mutably.
+    pub fn inner_mut(&mut self) -> &mut M {
+        &mut self.inner
+    }
+
+    /// Unwraps the model.
+    pub fn into_inner(self) -> M {
+        self.inner
+    }
+
+    /// The dtype floating inputs are cast to, if any.
+    pub fn input_dtype(&self) -> Option<DType> {
+        self.input_dtype
+    }
+
+    /// Switches [`forward`](Self::forward) to training mode (batch statistics, dropout).
+    pub fn train(&self) {
+        self.training.store(true, Ordering::Relaxed);
+    }
+
+    /// Switches [`forward`](Self::forward) to evaluation mode (running statistics).
+    pub fn eval(&self) {
+        self.training.store(false, Ordering::Relaxed);
+    }
+
+    /// Whether [`forward`](Self::forward) runs in training mode.
+    pub fn is_training(&self) -> bool {
+        self.training.load(Ordering::Relaxed)
+    }
+
+    /// Casts a floating input to the model type; other inputs pass through.
+    pub fn cast_input(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        cast_float(x, self.input_dtype)
+    }
+
+    /// Casts a floating output to the output type; other outputs pass through.
+    pub fn cast_output(&self, y: &Tensor) -> candle_core::Result<Tensor> {
+        cast_float(y, self.output_dtype)
+    }
+}
+
+fn cast_float(x: &Tensor, to: Option<DType>) -> candle_core::Result<Tensor> {
+    match to {
+        Some(dt) if x.dtype().is_float() && x.dtype() != dt => x.to_dtype(dt),
+        _ => Ok(x.clone()),
+    }
+}
+
+impl<M: ModuleT> AmpModel<M> {
+    /// Runs the model in the mode set by [`train`](Self::train)/[`eval`](Self::eval).
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.forward_t(x, self.is_training())
+    }
+}
+
+impl<M: ModuleT> ModuleT for AmpModel<M> {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> candle_core::Result<Tensor> {
+        let x = self.cast_input(xs)?;
+        let y = self.inner.forward_t(&x, train)?;
+        self.cast_output(&y)
+    }
+}

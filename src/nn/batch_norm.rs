@@ -1,0 +1,130 @@
+//! Batch normalisation that works in mixed precision.
+//!
+//! candle-nn's `BatchNorm` fails in training when built in f16 and on f16 input when built
+//! in f32. This one asks the store for its weight and bias in f32: under O2
+//! (`keep_batchnorm_fp32`) they stay f32 and the input is cast to f32 and the output back;
+//! at O3 they come back half and the affine part runs in half. Statistics are always
+//! computed in f32 (f16 reductions lose precision) and the running statistics are f32
+//! buffers that never get gradients.
+
+use candle_core::{DType, Result, Tensor, Var};
+use candle_nn::{BatchNormConfig, Init, ModuleT, VarBuilder};
+
+/// Batch normalisation over dimension 1 of an input of rank >= 2.
+#[derive(Debug, Clone)]
+pub struct BatchNorm {
+    running_mean: Var,
+    running_var: Var,
+    weight_and_bias: Option<(Tensor, Tensor)>,
+    remove_mean: bool,
+    eps: f64,
+    momentum: f64,
+}
+
+/// Builds a [`BatchNorm`] (same signature as `candle_nn::batch_norm`). Parameters are
+/// `weight`, `bias`, `running_mean` and `running_var` under `vb`'s prefix, as in candle-nn,
+/// so checkpoints are interchangeable.
+pub fn batch_norm<C: Into<BatchNormConfig>>(num_features: usize, config: C, vb: VarBuilder) -> Result<BatchNorm> {
+    let config = config.into();
+    if config.eps < 0. {
+        candle_core::bail!("batch-norm eps cannot be negative {}", config.eps)
+    }
+    let f32_get = |name: &str, init: Init| vb.get_with_hints_dtype(num_features, name, init, DType::F32);
+    let running_mean = f32_get("running_mean", Init::Const(0.))?;
+    let running_var = f32_get("running_var", Init::Const(1.))?;
+    let weight_and_bias = if config.affine {
+        Some((f32_get("weight", Init::Const(1.))?, f32_get("bias", Init::Const(0.))?))
+    } else {
+        None
+    };
+    Ok(BatchNorm {
+        running_mean: Var::from_tensor(&running_mean)?,
+        running_var: Var::from_tensor(&running_var)?,
+        weight_and_bias,
+        remove_mean: config.remove_mean,
+        eps: config.eps,
+        momentum: config.momentum,
+    })
+}
+
+impl BatchNorm {
+    /// The running mean (f32).
+    pub fn running_mean(&self) -> &Tensor {
+        self.running_mean.as_tensor()
+    }
+
+    /// The running variance (f32).
+    pub fn running_var(&self) -> &Tensor {
+        self.running_var.as_tensor()
+    }
+
+    /// The affine weight and bias, if any.
+    pub fn weight_and_bias(&self) -> Option<(&Tensor, &Tensor)> {
+        self.weight_and_bias.as_ref().map(|(w, b)| (w, b))
+    }
+
+    fn stat_shape(x: &Tensor) -> Vec<usize> {
+        x.dims()
+            .iter()
+            .enumerate()
+            .map(|(i, &d)| if i == 1 { d } else { 1 })
+            .collect()
+    }
+
+    fn normalise(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let c = self.running_mean.dim(0)?;
+        if x.rank() < 2 || x.dim(1)? != c {
+            candle_core::bail!(
+                "batch-norm expects input of rank >= 2 with {c} features in dimension 1, got shape {:?}",
+                x.shape()
+            )
+        }
+        let shape = Self::stat_shape(x);
+        let x = x.to_dtype(DType::F32)?;
+        if !train {
+            let mean = self.running_mean.as_detached_tensor().reshape(shape.as_slice())?;
+            let var = self.running_var.as_detached_tensor().reshape(shape.as_slice())?;
+            let x = if self.remove_mean { x.broadcast_sub(&mean)? } else { x };
+            return x.broadcast_div(&(var + self.eps)?.sqrt()?);
+        }
+        // Per-channel statistics over every dimension but 1.
+        let xt = x.transpose(0, 1)?.flatten_from(1)?.contiguous()?;
+        let n = xt.dim(1)? as f64;
+        let (centred, mean_b) = if self.remove_mean {
+            let mean = xt.mean_keepdim(1)?;
+            let new_mean = ((self.running_mean.as_tensor() * (1.0 - self.momentum))?
+                + (mean.flatten_all()?.detach() * self.momentum)?)?;
+            self.running_mean.set(&new_mean)?;
+            (xt.broadcast_sub(&mean)?, Some(mean.reshape(shape.as_slice())?))
+        } else {
+            (xt, None)
+        };
+        let var = centred.sqr()?.mean_keepdim(1)?;
+        let unbiased = if n > 1.0 { n / (n - 1.0) } else { 1.0 };
+        let new_var = ((self.running_var.as_tensor() * (1.0 - self.momentum))?
+            + (var.flatten_all()?.detach() * (self.momentum * unbiased))?)?;
+        self.running_var.set(&new_var)?;
+        let x = match mean_b {
+            Some(m) => x.broadcast_sub(&m)?,
+            None => x,
+        };
+        x.broadcast_div(&(var.reshape(shape.as_slice())? + self.eps)?.sqrt()?)
+    }
+}
+
+impl ModuleT for BatchNorm {
+    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let in_dtype = x.dtype();
+        let xn = self.normalise(x, train)?;
+        let y = match &self.weight_and_bias {
+            None => xn,
+            Some((w, b)) => {
+                let shape = Self::stat_shape(x);
+                let xn = xn.to_dtype(w.dtype())?;
+                xn.broadcast_mul(&w.reshape(shape.as_slice())?)?
+                    .broadcast_add(&b.reshape(shape.as_slice())?)?
+            }
+        };
+        y.to_dtype(in_dtype)
+    }
+}

@@ -1,0 +1,528 @@
+//! [`AmpOptimizer`]: an [`Optimizer`] driven over the parameter store, with parameter groups,
+//! f32 master gradients, step skipping and call-order checks.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use candle_core::{DType, Tensor, Var};
+use serde::{Deserialize, Serialize};
+
+use super::{GroupHyper, Optimizer, OptimizerState, ParamUpdate};
+use crate::amp::Shared;
+use crate::error::{AmpError, Result};
+use crate::store::{Param, ParamKind};
+
+/// What [`AmpOptimizer::step`] did, so that schedulers can react to skipped steps.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StepOutcome {
+    /// The parameters were updated.
+    Stepped {
+        /// The loss scale after the step.
+        loss_scale: f32,
+    },
+    /// A gradient (or the loss) was inf or NaN: nothing was updated and the step was not
+    /// counted by the optimizer.
+    Skipped {
+        /// The loss scale after the backoff.
+        loss_scale: f32,
+        /// Parameters whose gradients were non-finite (`"<loss>"`: the loss itself).
+        nonfinite: Vec<String>,
+    },
+}
+
+impl StepOutcome {
+    /// Whether the step was skipped.
+    pub fn is_skipped(&self) -> bool {
+        matches!(self, StepOutcome::Skipped { .. })
+    }
+
+    /// The loss scale after the step.
+    pub fn loss_scale(&self) -> f32 {
+        match self {
+            StepOutcome::Stepped { loss_scale } | StepOutcome::Skipped { loss_scale, .. } => *loss_scale,
+        }
+    }
+}
+
+/// A parameter group as seen from outside: its name, hyper-parameters and members.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamGroup {
+    /// The group's name.
+    pub name: String,
+    /// Its learning rate and weight decay.
+    pub hyper: GroupHyper,
+    /// Names of its trainable parameters.
+    pub params: Vec<String>,
+}
+
+type Filter = Arc<dyn Fn(&str) -> bool + Send + Sync>;
+
+struct GroupSpec {
+    name: String,
+    filter: Filter,
+    hyper: GroupHyper,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    /// No gradients since the last `zero_grad` (or ever).
+    Clean,
+    /// Gradients accumulated, not yet stepped.
+    HasGrads,
+    /// Stepped; `zero_grad` must come before the next backward.
+    Stepped,
+}
+
+/// The serialisable state of an [`AmpOptimizer`]: its algorithm's state, its groups'
+/// hyper-parameters and its step counters.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AmpOptimizerState {
+    /// The algorithm's state.
+    pub algorithm: OptimizerState,
+    /// Group names and hyper-parameters, in order.
+    pub groups: Vec<(String, GroupHyper)>,
+    /// Steps taken.
+    pub steps: u64,
+    /// Steps skipped.
+    pub skipped_steps: u64,
+    /// Steps skipped in a row.
+    pub consecutive_skips: u32,
+}
+
+/// An optimizer under AMP. Made by [`crate::initialize`] or [`crate::Amp::optimizer`].
+///
+/// Typical use, once per iteration: a backward inside [`crate::Amp::scale_loss`], then
+/// [`step`](Self::step), then [`zero_grad`](Self::zero_grad). The optimizer keeps the
+/// unscaled f32 gradients of its parameters (the master gradients), accumulated over every
+/// backward since the last `zero_grad`, and whether any of them overflowed.
+///
+/// Misuse is a typed [`AmpError::CallOrder`], never a panic: stepping without a backward
+/// since the last step or `zero_grad`, or running a backward after a step without
+/// `zero_grad` in between (it would mix old and new gradients).
+pub struct AmpOptimizer {
+    id: usize,
+    shared: Arc<Shared>,
+    algo: Box<dyn Optimizer>,
+    groups: Vec<GroupSpec>,
+    grads: BTreeMap<String, Tensor>,
+    stage: Stage,
+    found_inf: BTreeMap<usize, bool>,
+    nonfinite: BTreeSet<String>,
+    micro_batches: u32,
+    steps: u64,
+    skipped: u64,
+    consecutive_skips: u32,
+}
+
+impl std::fmt::Debug for AmpOptimizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AmpOptimizer")
+            .field("id", &self.id)
+            .field("algorithm", &self.algo.name())
+            .field("groups", &self.groups.iter().map(|g| &g.name).collect::<Vec<_>>())
+            .field("stage", &self.stage)
+            .field("steps", &self.steps)
+            .field("skipped", &self.skipped)
+            .finish()
+    }
+}
+
+impl AmpOptimizer {
+    pub(crate) fn new(shared: Arc<Shared>, algo: Box<dyn Optimizer>, filter: Filter) -> Self {
+        let id = shared.next_opt_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let hyper = algo.defaults();
+        Self {
+            id,
+            shared,
+            algo,
+            groups: vec![GroupSpec {
+                name: "default".into(),
+                filter,
+                hyper,
+            }],
+            grads: BTreeMap::new(),
+            stage: Stage::Clean,
+            found_inf: BTreeMap::new(),
+            nonfinite: BTreeSet::new(),
+            micro_batches: 0,
+            steps: 0,
+            skipped: 0,
+            consecutive_skips: 0,
+        }
+    }
+
+    /// The optimizer's id within its AMP handle.
+    pub fn id(&self) -> usize {
+        self.id
+    }
+
+    /// The algorithm's name.
+    pub fn algorithm(&self) -> &'static str {
+        self.algo.name()
+    }
+
+    fn group_of(&self, name: &str) -> Option<usize> {
+        self.groups.iter().rposition(|g| (g.filter)(name))
+    }
+
+    /// The trainable parameters this optimizer owns (frozen ones included), with their group.
+    pub(crate) fn owned(&self) -> Vec<(usize, Param)> {
+        self.shared
+            .store
+            .params()
+            .into_iter()
+            .filter(|p| p.kind == ParamKind::Trainable)
+            .filter_map(|p| self.group_of(&p.name).map(|g| (g, p)))
+            .collect()
+    }
+
+    /// The groups, with their current members (parameters built after a group was added
+    /// join it too).
+    pub fn groups(&self) -> Vec<ParamGroup> {
+        let mut out: Vec<ParamGroup> = self
+            .groups
+            .iter()
+            .map(|g| ParamGroup {
+                name: g.name.clone(),
+                hyper: g.hyper,
+                params: Vec::new(),
+            })
+            .collect();
+        for (g, p) in self.owned() {
+            out[g].params.push(p.name);
+        }
+        out
+    }
+
+    /// Names of the parameters this optimizer updates (owned, trainable, not frozen).
+    pub fn param_names(&self) -> Vec<String> {
+        self.owned()
+            .into_iter()
+            .filter(|(_, p)| p.trains())
+            .map(|(_, p)| p.name)
+            .collect()
+    }
+
+    /// Adds a parameter group: every trainable parameter whose name matches `filter` moves to
+    /// it (from an earlier group of this optimizer) or joins this optimizer (if no group owned
+    /// it yet). Later groups win. `lr`/`weight_decay` default to the algorithm's. Returns the
+    /// group's index. Allowed at any time between steps; state of moved parameters is kept.
+    ///
+    /// ```
+    /// # use candle_amp as amp;
+    /// # let (_m, mut opt, _amp) = amp::initialize(|vb| candle_nn::linear(2, 2, vb.pp("fc")),
+    /// #     amp::optim::AdamW::new(Default::default()).unwrap(), amp::OptLevel::O0).unwrap();
+    /// let g = opt.add_param_group("no_decay", |n| n.ends_with("bias"), None, Some(0.0));
+    /// assert_eq!(opt.groups()[g].params, vec!["fc.bias".to_string()]);
+    /// ```
+    pub fn add_param_group(
+        &mut self,
+        name: &str,
+        filter: impl Fn(&str) -> bool + Send + Sync + 'static,
+        lr: Option<f64>,
+        weight_decay: Option<f64>,
+    ) -> usize {
+        let d = self.algo.defaults();
+        self.groups.push(GroupSpec {
+            name: name.to_string(),
+            filter: Arc::new(filter),
+            hyper: GroupHyper {
+                lr: lr.unwrap_or(d.lr),
+                weight_decay: weight_decay.unwrap_or(d.weight_decay),
+            },
+        });
+        self.groups.len() - 1
+    }
+
+    fn group_mut(&mut self, group: usize) -> Result<&mut GroupSpec> {
+        let n = self.groups.len();
+        self.groups.get_mut(group).ok_or_else(|| AmpError::Parameter {
+            name: format!("group {group}"),
+            reason: format!("this optimizer has {n} group(s)"),
+        })
+    }
+
+    /// The learning rate of a group.
+    pub fn lr(&self, group: usize) -> Result<f64> {
+        self.groups
+            .get(group)
+            .map(|g| g.hyper.lr)
+            .ok_or_else(|| AmpError::Parameter {
+                name: format!("group {group}"),
+                reason: format!("this optimizer has {} group(s)", self.groups.len()),
+            })
+    }
+
+    /// Sets the learning rate of a group.
+    pub fn set_lr(&mut self, group: usize, lr: f64) -> Result<()> {
+        self.group_mut(group)?.hyper.lr = lr;
+        Ok(())
+    }
+
+    /// Sets the learning rate of every group.
+    pub fn set_lr_all(&mut self, lr: f64) {
+        for g in &mut self.groups {
+            g.hyper.lr = lr;
+        }
+    }
+
+    /// Sets the weight decay of a group.
+    pub fn set_weight_decay(&mut self, group: usize, wd: f64) -> Result<()> {
+        self.group_mut(group)?.hyper.weight_decay = wd;
+        Ok(())
+    }
+
+    /// The accumulated unscaled f32 gradients, by parameter name (empty after `zero_grad`).
+    pub fn master_grads(&self) -> &BTreeMap<String, Tensor> {
+        &self.grads
+    }
+
+    /// One parameter's unscaled f32 gradient.
+    pub fn master_grad(&self, name: &str) -> Option<&Tensor> {
+        self.grads.get(name)
+    }
+
+    /// The f32 values of this optimizer's parameters (the masters at O2), by name.
+    pub fn master_params(&self) -> Result<BTreeMap<String, Tensor>> {
+        self.owned()
+            .into_iter()
+            .map(|(_, p)| Ok((p.name.clone(), p.f32_value()?)))
+            .collect()
+    }
+
+    /// Steps taken (not skipped).
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// Steps skipped because of overflow.
+    pub fn skipped_steps(&self) -> u64 {
+        self.skipped
+    }
+
+    /// Whether gradients accumulated since the last `zero_grad` contain inf or NaN.
+    pub fn found_inf(&self) -> bool {
+        self.found_inf.values().any(|&b| b)
+    }
+
+    /// Backward passes accumulated since the last `zero_grad`.
+    pub fn micro_batches(&self) -> u32 {
+        self.micro_batches
+    }
+
+    pub(crate) fn check_can_backward(&self) -> Result<()> {
+        if self.stage == Stage::Stepped {
+            return Err(AmpError::CallOrder(
+                "backward after step without zero_grad: the new gradients would be added to the ones \
+                 already applied; call zero_grad() after step()"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Stage 4 of the backward pipeline: adds one backward's unscaled gradients.
+    pub(crate) fn accumulate(
+        &mut self,
+        loss_id: usize,
+        grads: Vec<(String, Tensor)>,
+        found_inf: bool,
+        nonfinite: Vec<String>,
+    ) -> Result<()> {
+        self.check_can_backward()?;
+        for (name, g) in grads {
+            let sum = match self.grads.remove(&name) {
+                Some(prev) => (prev + g)?,
+                None => g,
+            };
+            self.grads.insert(name, sum);
+        }
+        *self.found_inf.entry(loss_id).or_insert(false) |= found_inf;
+        self.nonfinite.extend(nonfinite);
+        self.micro_batches += 1;
+        self.stage = Stage::HasGrads;
+        self.shared.scalers_mut()[loss_id].enlist(self.id);
+        Ok(())
+    }
+
+    /// Clips the accumulated master gradients to a total L2 norm of `max_norm` (PyTorch's
+    /// `clip_grad_norm_` on unscaled gradients) and returns the norm before clipping. When a
+    /// gradient is non-finite the norm is returned as is and nothing is clipped (the step
+    /// will be skipped). Call between the backward and `step`.
+    pub fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f32> {
+        if self.stage != Stage::HasGrads {
+            return Err(AmpError::CallOrder(
+                "clip_grad_norm needs gradients: call it after backward and before step".into(),
+            ));
+        }
+        let mut total = 0f64;
+        for g in self.grads.values() {
+            total += g.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        }
+        let norm = total.sqrt();
+        if !norm.is_finite() {
+            return Ok(norm as f32);
+        }
+        let coef = (max_norm / (norm + 1e-6)).min(1.0);
+        if coef < 1.0 {
+            for g in self.grads.values_mut() {
+                *g = (&*g * coef)?;
+            }
+        }
+        Ok(norm as f32)
+    }
+
+    /// Applies the accumulated gradients, or skips the step if any of them (or a loss) was
+    /// non-finite. Either way the loss scalers used since the last `zero_grad` are adjusted
+    /// once. After `max_consecutive_skips` skips in a row returns
+    /// [`AmpError::PersistentOverflow`] naming the parameters with non-finite gradients (the
+    /// weights are still untouched).
+    pub fn step(&mut self) -> Result<StepOutcome> {
+        match self.stage {
+            Stage::HasGrads => {}
+            Stage::Clean => {
+                return Err(AmpError::CallOrder(
+                    "step without gradients: run a backward inside scale_loss before step".into(),
+                ));
+            }
+            Stage::Stepped => {
+                return Err(AmpError::CallOrder(
+                    "step called twice: call zero_grad() and run a new backward before stepping again".into(),
+                ));
+            }
+        }
+        let overflow = self.found_inf();
+        if !overflow {
+            self.apply()?;
+        }
+        self.stage = Stage::Stepped;
+        let first_id = self.found_inf.keys().next().copied().unwrap_or(0);
+        let scale = {
+            let mut scalers = self.shared.scalers_mut();
+            for (&loss_id, &inf) in &self.found_inf {
+                scalers[loss_id].report(self.id, inf, loss_id);
+            }
+            scalers[first_id].state.scale.scale()
+        };
+        if !overflow {
+            self.steps += 1;
+            self.consecutive_skips = 0;
+            return Ok(StepOutcome::Stepped { loss_scale: scale });
+        }
+        self.skipped += 1;
+        self.consecutive_skips += 1;
+        let nonfinite: Vec<String> = self.nonfinite.iter().cloned().collect();
+        if self.consecutive_skips >= self.shared.props.max_consecutive_skips {
+            return Err(AmpError::PersistentOverflow {
+                loss_id: first_id,
+                skips: self.consecutive_skips,
+                scale,
+                params: if nonfinite.is_empty() {
+                    "(none recorded)".into()
+                } else {
+                    nonfinite.join(", ")
+                },
+            });
+        }
+        Ok(StepOutcome::Skipped {
+            loss_scale: scale,
+            nonfinite,
+        })
+    }
+
+    fn apply(&mut self) -> Result<()> {
+        struct Item {
+            name: String,
+            var: Var,
+            grad: Tensor,
+            hyper: GroupHyper,
+            persistent: bool,
+            param: Param,
+        }
+        let mut items = Vec::new();
+        for (g, p) in self.owned() {
+            if !p.trains() {
+                continue;
+            }
+            let Some(grad) = self.grads.get(&p.name) else { continue };
+            let (var, persistent) = match p.f32_var() {
+                Some(v) => (v.clone(), true),
+                None => (Var::from_tensor(&p.f32_value()?)?, false),
+            };
+            items.push(Item {
+                name: p.name.clone(),
+                var,
+                grad: grad.clone(),
+                hyper: self.groups[g].hyper,
+                persistent,
+                param: p,
+            });
+        }
+        let updates: Vec<ParamUpdate<'_>> = items
+            .iter()
+            .map(|i| ParamUpdate {
+                name: &i.name,
+                var: &i.var,
+                grad: &i.grad,
+                hyper: i.hyper,
+                persistent: i.persistent,
+            })
+            .collect();
+        self.algo.step(&updates)?;
+        // Copy the f32 results into the working (half) weights where they are separate Vars.
+        for i in &items {
+            if i.param.working.id() != i.var.id() {
+                let w = &i.param.working;
+                w.set(&i.var.as_tensor().to_dtype(w.dtype())?)?;
+            }
+        }
+        self.shared.store.bump_generation();
+        Ok(())
+    }
+
+    /// Drops the accumulated gradients and overflow flags; the next backward starts afresh.
+    pub fn zero_grad(&mut self) {
+        if !self.found_inf.is_empty() && self.stage == Stage::HasGrads {
+            let mut scalers = self.shared.scalers_mut();
+            for &loss_id in self.found_inf.keys() {
+                scalers[loss_id].withdraw(self.id, loss_id);
+            }
+        }
+        self.grads.clear();
+        self.found_inf.clear();
+        self.nonfinite.clear();
+        self.micro_batches = 0;
+        self.stage = Stage::Clean;
+    }
+
+    /// The optimizer's state: algorithm state, groups' hyper-parameters, counters.
+    pub fn state_dict(&self) -> Result<AmpOptimizerState> {
+        Ok(AmpOptimizerState {
+            algorithm: self.algo.state_dict()?,
+            groups: self.groups.iter().map(|g| (g.name.clone(), g.hyper)).collect(),
+            steps: self.steps,
+            skipped_steps: self.skipped,
+            consecutive_skips: self.consecutive_skips,
+        })
+    }
+
+    /// Restores [`state_dict`](Self::state_dict)'s output. The groups must have the same
+    /// names in the same order (add them before loading).
+    pub fn load_state_dict(&mut self, state: &AmpOptimizerState) -> Result<()> {
+        let names: Vec<&String> = self.groups.iter().map(|g| &g.name).collect();
+        let saved: Vec<&String> = state.groups.iter().map(|(n, _)| n).collect();
+        if names != saved {
+            return Err(AmpError::OptimizerState(format!(
+                "the state has groups {saved:?} but this optimizer has {names:?}; add the same groups before loading"
+            )));
+        }
+        self.algo.load_state_dict(&state.algorithm)?;
+        for (g, (_, h)) in self.groups.iter_mut().zip(&state.groups) {
+            g.hyper = *h;
+        }
+        self.steps = state.steps;
+        self.skipped = state.skipped_steps;
+        self.consecutive_skips = state.consecutive_skips;
+        Ok(())
+    }
+}

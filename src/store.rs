@@ -1,0 +1,366 @@
+//! The parameter store: a `SimpleBackend` for candle's `VarBuilder` that owns every
+//! parameter of a run, its f32 master where there is one, and the seeded generator that
+//! initialises them.
+//!
+//! Each parameter is created the first time a layer asks for it, from the layer's `Init`
+//! hint, with the store's own seeded generator (candle's CPU generator cannot be seeded), so
+//! two runs with the same seed start bit-identical. Values are drawn in f64, rounded to f32
+//! (the master), then cast to the working type: a half model starts from exactly the rounded
+//! f32 model.
+//!
+//! What is created depends on [`StorePolicy`], which the opt level's properties decide:
+//! * trainable parameters are built in the model type; with `master_weights` and a half model
+//!   an f32 master Var is kept beside the half working Var;
+//! * a parameter requested in f32 by a half model (our [`crate::nn::batch_norm`] does this)
+//!   stays f32 when `keep_batchnorm_fp32` is set, and is half otherwise;
+//! * buffers (names ending in `running_mean`, `running_var`, `num_batches_tracked`) are single
+//!   f32 Vars that never get gradients.
+//!
+//! The store hands the working Var's tensor to the model itself (never a detached copy), so
+//! [`ParamStore::write_f32`] is seen by the model. Every write bumps a generation counter
+//! that caches of derived tensors key on (`Var::set` keeps a tensor's id, so an id-keyed cache
+//! would go stale).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use candle_core::{DType, Device, Shape, Tensor, Var};
+use candle_nn::var_builder::SimpleBackend;
+use candle_nn::{Init, VarBuilder};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, StandardNormal};
+
+use crate::error::{AmpError, Result};
+use crate::opt_level::Properties;
+
+/// Last name components that mark a buffer (a non-trainable f32 state such as batch-norm
+/// running statistics).
+pub const BUFFER_NAMES: [&str; 3] = ["running_mean", "running_var", "num_batches_tracked"];
+
+/// Whether a parameter is trained or is a buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ParamKind {
+    /// Gets gradients and is updated by an optimizer.
+    Trainable,
+    /// Never gets gradients (running statistics); always f32.
+    Buffer,
+}
+
+/// What the store builds, derived from the run's properties.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StorePolicy {
+    /// The type trainable parameters are built in (`None`: the type the layer asks for).
+    pub model_dtype: Option<DType>,
+    /// Keep an f32 master beside each half trainable parameter.
+    pub master_weights: bool,
+    /// Honour f32 requests in a half model (batch norm at O2).
+    pub keep_f32_requests: bool,
+}
+
+impl StorePolicy {
+    /// The policy a run's properties ask for.
+    pub fn from_properties(p: &Properties) -> Self {
+        Self {
+            model_dtype: p.cast_model_type,
+            master_weights: p.master_weights,
+            keep_f32_requests: p.batchnorm_f32(),
+        }
+    }
+
+    /// The dtype the VarBuilder requests by default.
+    pub fn builder_dtype(&self) -> DType {
+        self.model_dtype.unwrap_or(DType::F32)
+    }
+
+    fn working_dtype(&self, kind: ParamKind, requested: DType) -> DType {
+        if kind == ParamKind::Buffer || !requested.is_float() {
+            return if requested.is_float() { DType::F32 } else { requested };
+        }
+        match self.model_dtype {
+            None => requested,
+            Some(m) if requested == DType::F32 && m != DType::F32 && self.keep_f32_requests => DType::F32,
+            Some(m) => m,
+        }
+    }
+}
+
+/// One parameter: its working Var (what the model computes with) and, at O2, its f32 master.
+#[derive(Debug, Clone)]
+pub struct Param {
+    /// The dotted name (`"fc1.weight"`).
+    pub name: String,
+    /// Trainable or buffer.
+    pub kind: ParamKind,
+    /// The Var the model holds.
+    pub working: Var,
+    /// The f32 master, when kept.
+    pub master: Option<Var>,
+    /// Frozen parameters are not updated by optimizers.
+    pub frozen: bool,
+}
+
+impl Param {
+    /// The parameter's value in f32: the master if there is one, else the working value cast.
+    pub fn f32_value(&self) -> Result<Tensor> {
+        match &self.master {
+            Some(m) => Ok(m.as_tensor().clone()),
+            None => Ok(self.working.as_tensor().to_dtype(DType::F32)?),
+        }
+    }
+
+    /// The persistent f32 Var holding this parameter, if one exists (the master, or the
+    /// working Var when it is f32).
+    pub fn f32_var(&self) -> Option<&Var> {
+        match &self.master {
+            Some(m) => Some(m),
+            None if self.working.dtype() == DType::F32 => Some(&self.working),
+            None => None,
+        }
+    }
+
+    /// Whether the parameter trains (trainable and not frozen).
+    pub fn trains(&self) -> bool {
+        self.kind == ParamKind::Trainable && !self.frozen
+    }
+}
+
+struct Inner {
+    params: Vec<Param>,
+    index: HashMap<String, usize>,
+    rng: ChaCha8Rng,
+    generation: u64,
+    policy: StorePolicy,
+}
+
+/// The run's parameters. Cheap to clone (shared).
+#[derive(Clone)]
+pub struct ParamStore {
+    inner: Arc<Mutex<Inner>>,
+    device: Device,
+}
+
+impl std::fmt::Debug for ParamStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let g = self.lock();
+        f.debug_struct("ParamStore")
+            .field("params", &g.params.len())
+            .field("policy", &g.policy)
+            .field("generation", &g.generation)
+            .finish()
+    }
+}
+
+impl ParamStore {
+    /// An empty store on `device` whose generator is seeded with `seed`.
+    pub fn new(policy: StorePolicy, seed: u64, device: &Device) -> Self {
+        Self {
+            inner: Arc::new(Mutex::new(Inner {
+                params: Vec::new(),
+                index: HashMap::new(),
+                rng: ChaCha8Rng::seed_from_u64(seed),
+                generation: 0,
+                policy,
+            })),
+            device: device.clone(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A poisoned lock means a panic elsewhere; the data is still consistent per entry.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The device parameters live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The store's policy.
+    pub fn policy(&self) -> StorePolicy {
+        self.lock().policy
+    }
+
+    /// A `VarBuilder` backed by this store, requesting the model type.
+    pub fn var_builder(&self) -> VarBuilder<'static> {
+        let dtype = self.policy().builder_dtype();
+        VarBuilder::from_backend(Box::new(self.clone()), dtype, self.device.clone())
+    }
+
+    /// A snapshot of every parameter, in creation order.
+    pub fn params(&self) -> Vec<Param> {
+        self.lock().params.clone()
+    }
+
+    /// One parameter by name.
+    pub fn param(&self, name: &str) -> Option<Param> {
+        let g = self.lock();
+        g.index.get(name).map(|&i| g.params[i].clone())
+    }
+
+    /// Names of the trainable parameters, in creation order.
+    pub fn trainable_names(&self) -> Vec<String> {
+        self.lock()
+            .params
+            .iter()
+            .filter(|p| p.kind == ParamKind::Trainable)
+            .map(|p| p.name.clone())
+            .collect()
+    }
+
+    /// The write generation: bumped by every [`write_f32`](Self::write_f32).
+    pub fn generation(&self) -> u64 {
+        self.lock().generation
+    }
+
+    /// Records that parameters were written directly (through their Vars).
+    pub(crate) fn bump_generation(&self) {
+        self.lock().generation += 1;
+    }
+
+    /// Freezes (or unfreezes) every trainable parameter whose name matches; returns how many
+    /// changed. Frozen parameters keep their values: optimizers skip them.
+    pub fn set_frozen(&self, pred: impl Fn(&str) -> bool, frozen: bool) -> usize {
+        let mut g = self.lock();
+        let mut n = 0;
+        for p in g.params.iter_mut() {
+            if p.kind == ParamKind::Trainable && pred(&p.name) && p.frozen != frozen {
+                p.frozen = frozen;
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Writes an f32 value into a parameter: into its master, and cast into its working Var.
+    /// Bumps the generation.
+    pub fn write_f32(&self, name: &str, value: &Tensor) -> Result<()> {
+        let p = self.param(name).ok_or_else(|| AmpError::Parameter {
+            name: name.to_string(),
+            reason: "no such parameter in the store".into(),
+        })?;
+        if value.dims() != p.working.dims() {
+            return Err(AmpError::Parameter {
+                name: name.to_string(),
+                reason: format!(
+                    "value has shape {:?}, the parameter has {:?}",
+                    value.dims(),
+                    p.working.dims()
+                ),
+            });
+        }
+        let v32 = value.to_dtype(DType::F32)?;
+        if let Some(m) = &p.master {
+            m.set(&v32)?;
+        }
+        p.working.set(&v32.to_dtype(p.working.dtype())?)?;
+        self.lock().generation += 1;
+        Ok(())
+    }
+
+    fn init_values(rng: &mut ChaCha8Rng, shape: &Shape, init: Init) -> Vec<f32> {
+        let n = shape.elem_count();
+        let uniform = |rng: &mut ChaCha8Rng, lo: f64, up: f64| -> Vec<f32> {
+            (0..n).map(|_| (lo + (up - lo) * rng.random::<f64>()) as f32).collect()
+        };
+        let normal = |rng: &mut ChaCha8Rng, mean: f64, std: f64| -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    let z: f64 = StandardNormal.sample(rng);
+                    (mean + std * z) as f32
+                })
+                .collect()
+        };
+        match init {
+            Init::Const(v) => vec![v as f32; n],
+            Init::Uniform { lo, up } => uniform(rng, lo, up),
+            Init::Randn { mean, stdev } => normal(rng, mean, stdev),
+            Init::Kaiming {
+                dist,
+                fan,
+                non_linearity,
+            } => {
+                let std = non_linearity.gain() / (fan.for_shape(shape) as f64).sqrt();
+                match dist {
+                    candle_nn::init::NormalOrUniform::Uniform => {
+                        let b = 3f64.sqrt() * std;
+                        uniform(rng, -b, b)
+                    }
+                    candle_nn::init::NormalOrUniform::Normal => normal(rng, 0.0, std),
+                }
+            }
+        }
+    }
+
+    /// Returns the named parameter, creating it from `init` if it does not exist yet.
+    pub fn get_or_create(&self, shape: &Shape, name: &str, init: Init, requested: DType) -> Result<Tensor> {
+        let mut g = self.lock();
+        if let Some(&i) = g.index.get(name) {
+            let p = &g.params[i];
+            if p.working.shape() != shape {
+                return Err(AmpError::Parameter {
+                    name: name.to_string(),
+                    reason: format!(
+                        "requested with shape {:?} but it exists with shape {:?}; two layers share this name",
+                        shape.dims(),
+                        p.working.dims()
+                    ),
+                });
+            }
+            return Ok(p.working.as_tensor().clone());
+        }
+        let last = name.rsplit('.').next().unwrap_or(name);
+        let kind = if BUFFER_NAMES.contains(&last) || !requested.is_float() {
+            ParamKind::Buffer
+        } else {
+            ParamKind::Trainable
+        };
+        let policy = g.policy;
+        let wdt = policy.working_dtype(kind, requested);
+        let values = Self::init_values(&mut g.rng, shape, init);
+        let t32 = Tensor::from_vec(values, shape.clone(), &self.device)?;
+        let keep_master = kind == ParamKind::Trainable && policy.master_weights && wdt != DType::F32;
+        let master = if keep_master {
+            Some(Var::from_tensor(&t32)?)
+        } else {
+            None
+        };
+        let working = Var::from_tensor(&t32.to_dtype(wdt)?)?;
+        let out = working.as_tensor().clone();
+        let idx = g.params.len();
+        g.params.push(Param {
+            name: name.to_string(),
+            kind,
+            working,
+            master,
+            frozen: false,
+        });
+        g.index.insert(name.to_string(), idx);
+        Ok(out)
+    }
+}
+
+impl SimpleBackend for ParamStore {
+    fn get(&self, s: Shape, name: &str, h: Init, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        if !dev.same_device(&self.device) {
+            candle_core::bail!(
+                "parameter `{name}` requested on {dev:?} but the AMP store lives on {:?}",
+                self.device
+            )
+        }
+        Ok(self.get_or_create(&s, name, h, dtype)?)
+    }
+
+    fn get_unchecked(&self, name: &str, _dtype: DType, _dev: &Device) -> candle_core::Result<Tensor> {
+        match self.param(name) {
+            Some(p) => Ok(p.working.as_tensor().clone()),
+            None => candle_core::bail!(
+                "parameter `{name}` is not in the AMP store: build it with a shape (vb.get) before get_unchecked"
+            ),
+        }
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.lock().index.contains_key(name)
+    }
+}

@@ -1,0 +1,344 @@
+//! Call-order errors, persistent overflow, the parameter store, batch norm, parameter
+//! groups, frozen parameters and the candle optimizer adapter.
+
+mod common;
+
+use candle_amp::optim::{CandleOptimizer, Sgd, SgdConfig};
+use candle_amp::{self as amp, AmpConfig, AmpError, HalfType, LossScaleSpec, OptLevel};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor};
+use candle_nn::ModuleT;
+use common::*;
+
+fn sgd(lr: f64) -> Sgd {
+    Sgd::new(SgdConfig::new(lr)).unwrap()
+}
+
+fn one_step_loss(model: &amp::AmpModel<TwoLinear>, seed: u64) -> Tensor {
+    let (x, y) = batches(1, seed).remove(0);
+    candle_nn::loss::mse(&model.forward(&x).unwrap(), &y).unwrap()
+}
+
+#[test]
+fn wrong_call_orders_are_typed_errors() {
+    let (model, mut opt, amp) = amp::initialize(TwoLinear::new, sgd(0.1), OptLevel::O2).unwrap();
+    assert!(
+        matches!(opt.step(), Err(AmpError::CallOrder(_))),
+        "step before any backward"
+    );
+    assert!(matches!(opt.clip_grad_norm(1.0), Err(AmpError::CallOrder(_))));
+    amp.scale_loss(&one_step_loss(&model, 1), &mut opt)
+        .unwrap()
+        .backward()
+        .unwrap();
+    opt.step().unwrap();
+    let e = opt.step().unwrap_err();
+    assert!(matches!(e, AmpError::CallOrder(_)), "step twice: {e}");
+    let e = amp.scale_loss(&one_step_loss(&model, 2), &mut opt).unwrap_err();
+    assert!(e.to_string().contains("zero_grad"), "backward after step: {e}");
+    assert!(matches!(
+        amp.scale_loss_id(&one_step_loss(&model, 2), 1, &mut opt),
+        Err(AmpError::LossId { .. })
+    ));
+    opt.zero_grad();
+    amp.scale_loss(&one_step_loss(&model, 3), &mut opt)
+        .unwrap()
+        .backward()
+        .unwrap();
+    opt.step().unwrap();
+    assert_eq!(opt.steps(), 2);
+}
+
+#[test]
+fn persistent_overflow_is_an_error_naming_the_parameters() {
+    let cfg = AmpConfig::new(OptLevel::O2).max_consecutive_skips(5);
+    let (model, mut opt, amp) = amp::initialize(TwoLinear::new, sgd(0.1), cfg).unwrap();
+    let before = store_values(amp.store());
+    let w = amp.store().param("l1.weight").unwrap().working;
+    let mut results = Vec::new();
+    for i in 0..5 {
+        let w = w.clone();
+        amp.scale_loss(&one_step_loss(&model, i), &mut opt)
+            .unwrap()
+            .backward_with(move |s: &Tensor| {
+                let mut g: GradStore = s.backward()?;
+                let nan = (g.get(w.as_tensor()).unwrap() * f64::NAN)?;
+                g.insert(w.as_tensor(), nan);
+                Ok(g)
+            })
+            .unwrap();
+        results.push(opt.step());
+        opt.zero_grad();
+    }
+    for r in &results[..4] {
+        assert!(r.as_ref().unwrap().is_skipped());
+    }
+    match &results[4] {
+        Err(AmpError::PersistentOverflow {
+            skips, params, scale, ..
+        }) => {
+            assert_eq!(*skips, 5);
+            assert_eq!(params, "l1.weight");
+            assert_eq!(*scale, 65536.0 / 32.0);
+        }
+        other => panic!("expected PersistentOverflow, got {other:?}"),
+    }
+    assert_eq!(store_values(amp.store()), before, "nothing was applied");
+}
+
+#[test]
+fn a_nan_loss_skips_even_with_a_static_scale() {
+    let (model, mut opt, amp) = amp::initialize(TwoLinear::new, sgd(0.1), OptLevel::O0).unwrap();
+    let before = store_values(amp.store());
+    let loss = (one_step_loss(&model, 1) * f64::NAN).unwrap();
+    let report = amp.scale_loss(&loss, &mut opt).unwrap().backward().unwrap();
+    assert!(report.found_inf);
+    assert!(report.nonfinite.contains(&"<loss>".to_string()));
+    assert!(opt.step().unwrap().is_skipped());
+    assert_eq!(store_values(amp.store()), before);
+    assert_eq!(amp.loss_scale(0).unwrap(), 1.0);
+    assert_eq!(amp.scaler_states()[0].total_skips, 1);
+}
+
+#[test]
+fn the_scaled_loss_is_f32_times_the_scale() {
+    let (model, mut opt, amp) = amp::initialize(TwoLinear::new, sgd(0.1), OptLevel::O3).unwrap();
+    let loss = one_step_loss(&model, 4);
+    let half_loss = loss.to_dtype(DType::F16).unwrap();
+    let guard = amp.scale_loss(&half_loss, &mut opt).unwrap();
+    assert_eq!(guard.dtype(), DType::F32);
+    assert_eq!(guard.loss_scale(), 1.0);
+    drop(guard);
+    let cfg = AmpConfig::new(OptLevel::O3).loss_scale(LossScaleSpec::Static(65536.0));
+    let (model, mut opt, amp) = amp::initialize(TwoLinear::new, sgd(0.1), cfg).unwrap();
+    let loss = one_step_loss(&model, 4).to_dtype(DType::F16).unwrap();
+    let g = amp.scale_loss(&loss, &mut opt).unwrap();
+    let v = g.scaled_loss().to_scalar::<f32>().unwrap();
+    let expect = loss.to_dtype(DType::F32).unwrap().to_scalar::<f32>().unwrap() * 65536.0;
+    assert!(v.is_finite() && v == expect, "an f16 loss x 65536 is finite in f32");
+}
+
+#[test]
+fn same_seed_same_start_different_seed_different_start() {
+    let init = |seed| {
+        let (_, _, amp) = amp::initialize(TwoLinear::new, sgd(0.1), AmpConfig::new(OptLevel::O0).seed(seed)).unwrap();
+        store_values(amp.store())
+    };
+    assert_eq!(init(7), init(7));
+    assert_ne!(init(7), init(8));
+    // A half model starts from exactly the rounded f32 model.
+    let (_, _, a0) = amp::initialize(TwoLinear::new, sgd(0.1), AmpConfig::new(OptLevel::O0).seed(7)).unwrap();
+    let (_, _, a2) = amp::initialize(TwoLinear::new, sgd(0.1), AmpConfig::new(OptLevel::O2).seed(7)).unwrap();
+    assert_eq!(store_values(a0.store()), store_values(a2.store()));
+}
+
+#[test]
+fn the_store_builds_the_types_each_level_asks_for() {
+    #[allow(dead_code)]
+    struct Net {
+        fc: candle_nn::Linear,
+        bn: amp::nn::BatchNorm,
+    }
+    let build = |vb: candle_nn::VarBuilder<'static>| -> candle_core::Result<Net> {
+        Ok(Net {
+            fc: candle_nn::linear(4, 3, vb.pp("fc"))?,
+            bn: amp::nn::batch_norm(3, 1e-5, vb.pp("bn"))?,
+        })
+    };
+    let cases = [
+        (OptLevel::O0, DType::F32, false, DType::F32),
+        (OptLevel::O1, DType::F32, false, DType::F32),
+        (OptLevel::O2, DType::F16, true, DType::F32),
+        (OptLevel::O3, DType::F16, false, DType::F16),
+    ];
+    for (level, fc_dt, master, bn_dt) in cases {
+        let amp = amp::Amp::new(level, &Device::Cpu).unwrap();
+        let _net = amp.model(build).unwrap();
+        let s = amp.store();
+        let fc = s.param("fc.weight").unwrap();
+        assert_eq!(fc.working.dtype(), fc_dt, "{level}");
+        assert_eq!(fc.master.is_some(), master, "{level}");
+        assert_eq!(s.param("bn.weight").unwrap().working.dtype(), bn_dt, "{level}");
+        assert!(s.param("bn.weight").unwrap().master.is_none());
+        let rm = s.param("bn.running_mean").unwrap();
+        assert_eq!(rm.kind, amp::store::ParamKind::Buffer);
+        assert_eq!(rm.working.dtype(), DType::F32);
+        assert!(rm.master.is_none());
+        assert!(!s.trainable_names().contains(&"bn.running_var".to_string()));
+    }
+    // bf16 models.
+    let amp = amp::Amp::new(AmpConfig::new(OptLevel::O2).half(HalfType::Bf16), &Device::Cpu).unwrap();
+    amp.model(build).unwrap();
+    assert_eq!(amp.store().param("fc.weight").unwrap().working.dtype(), DType::BF16);
+}
+
+#[test]
+fn get_unchecked_returns_the_live_parameter() {
+    let amp = amp::Amp::new(OptLevel::O2, &Device::Cpu).unwrap();
+    let vb = amp.var_builder();
+    let w = vb.get((2, 2), "w").unwrap();
+    let again = vb.get_unchecked("w").unwrap();
+    amp.store()
+        .write_f32("w", &Tensor::ones((2, 2), DType::F32, &Device::Cpu).unwrap())
+        .unwrap();
+    assert_eq!(flat(&w), vec![1.0; 4]);
+    assert_eq!(flat(&again), vec![1.0; 4]);
+    assert!(vb.get_unchecked("missing").is_err());
+    assert!(vb.get((3, 2), "w").is_err(), "a shape clash is an error");
+}
+
+#[test]
+fn batch_norm_matches_candle_nn_in_f32_and_trains_in_half() {
+    let x = batches(1, 11).remove(0).0.reshape((4, 2, 4, 4)).unwrap();
+    // O0: ours equals candle-nn's BatchNorm (train and eval).
+    let amp0 = amp::Amp::new(OptLevel::O0, &Device::Cpu).unwrap();
+    let ours = amp::nn::batch_norm(2, 1e-5, amp0.var_builder().pp("bn")).unwrap();
+    let vm = candle_nn::VarMap::new();
+    let theirs = candle_nn::batch_norm(2, 1e-5, vb_of(&vm).pp("bn")).unwrap();
+    for train in [true, true, false] {
+        let a = flat(&ours.forward_t(&x, train).unwrap());
+        let b = flat(&theirs.forward_t(&x, train).unwrap());
+        let d = a.iter().zip(&b).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max);
+        assert!(d < 1e-5, "train={train}: {d}");
+    }
+    assert!(
+        max_rel_diff(
+            &[("m".to_string(), flat(ours.running_var()))].into(),
+            &[("m".to_string(), flat(theirs.running_var()))].into(),
+            1e-3
+        ) < 1e-5
+    );
+    // O2 and O3: half input, gradients reach the weight, statistics stay f32.
+    for level in [OptLevel::O2, OptLevel::O3] {
+        let amp = amp::Amp::new(level, &Device::Cpu).unwrap();
+        let bn = amp.model(|vb| amp::nn::batch_norm(2, 1e-5, vb.pp("bn"))).unwrap();
+        let mut opt = amp.optimizer(sgd(0.1));
+        let y = bn.forward(&x).unwrap();
+        assert_eq!(y.dtype(), DType::F32, "outputs are cast to f32");
+        let loss = (y.sqr().unwrap()
+            * (Tensor::arange(0f32, 128., &Device::Cpu).unwrap() / 128.0)
+                .unwrap()
+                .reshape((4, 2, 4, 4))
+                .unwrap())
+        .unwrap()
+        .mean_all()
+        .unwrap();
+        let report = amp.scale_loss(&loss, &mut opt).unwrap().backward().unwrap();
+        assert!(!report.found_inf, "{level}: {report:?}");
+        let g = opt.master_grad("bn.weight").expect("batch-norm weight gets a gradient");
+        assert!(flat(g).iter().all(|v| v.is_finite() && *v != 0.0), "{level}");
+        assert_eq!(bn.inner().running_mean().dtype(), DType::F32);
+        // Eval uses the running statistics and does not change them.
+        let rm = flat(bn.inner().running_mean());
+        bn.eval();
+        bn.forward(&x).unwrap();
+        assert_eq!(flat(bn.inner().running_mean()), rm);
+    }
+}
+
+#[test]
+fn integer_inputs_are_never_cast() {
+    let amp = amp::Amp::new(OptLevel::O2, &Device::Cpu).unwrap();
+    let emb = amp.model(|vb| candle_nn::embedding(10, 4, vb.pp("emb"))).unwrap();
+    let ids = Tensor::new(&[1u32, 2, 3], &Device::Cpu).unwrap();
+    assert_eq!(emb.cast_input(&ids).unwrap().dtype(), DType::U32);
+    let out = emb.forward(&ids).unwrap();
+    assert_eq!(out.dtype(), DType::F32);
+    assert_eq!(emb.cast_input(&out).unwrap().dtype(), DType::F16);
+}
+
+#[test]
+fn groups_frozen_and_gradless_parameters() {
+    let amp = amp::Amp::new(OptLevel::O2, &Device::Cpu).unwrap();
+    let model = amp.model(TwoLinear::new).unwrap();
+    let _unused = amp.var_builder().get((3,), "unused.w").unwrap();
+    let mut opt = amp.optimizer(amp::optim::AdamW::new(Default::default()).unwrap());
+    let g = opt.add_param_group("frozen_lr", |n| n.starts_with("l2."), Some(0.0), Some(0.0));
+    assert_eq!(opt.groups()[g].params, vec!["l2.weight", "l2.bias"]);
+    assert_eq!(opt.lr(g).unwrap(), 0.0);
+    assert_eq!(opt.lr(0).unwrap(), 1e-3);
+    assert!(opt.lr(9).is_err());
+    amp.store().set_frozen(|n| n == "l1.bias", true);
+    let before = store_values(amp.store());
+    let step = |opt: &mut amp::AmpOptimizer, seed| {
+        amp.scale_loss(&one_step_loss(&model, seed), opt)
+            .unwrap()
+            .backward()
+            .unwrap();
+        opt.step().unwrap();
+        opt.zero_grad();
+    };
+    step(&mut opt, 1);
+    let after = store_values(amp.store());
+    assert_ne!(after["l1.weight"], before["l1.weight"]);
+    assert_eq!(after["l1.bias"], before["l1.bias"], "frozen");
+    assert_eq!(after["l2.weight"], before["l2.weight"], "lr 0 group");
+    assert_eq!(after["unused.w"], before["unused.w"], "no gradient");
+    let st = opt.state_dict().unwrap();
+    assert!(!st.algorithm.params.contains_key("unused.w"));
+    assert!(!st.algorithm.params.contains_key("l1.bias"));
+    // Unfreeze and raise the group's learning rate after initialize.
+    amp.store().set_frozen(|n| n == "l1.bias", false);
+    opt.set_lr(g, 1e-2).unwrap();
+    step(&mut opt, 2);
+    let later = store_values(amp.store());
+    assert_ne!(later["l1.bias"], after["l1.bias"]);
+    assert_ne!(later["l2.weight"], after["l2.weight"]);
+    assert_eq!(opt.state_dict().unwrap().algorithm.params["l1.bias"].step, 1);
+    assert_eq!(opt.state_dict().unwrap().algorithm.params["l1.weight"].step, 2);
+}
+
+#[test]
+fn the_candle_adapter_equals_our_sgd_at_o2_and_refuses_o3() {
+    let data = batches(5, 12);
+    let run = |algo: Box<dyn FnOnce(&amp::Amp) -> amp::AmpOptimizer>, level| {
+        let amp = amp::Amp::new(level, &Device::Cpu).unwrap();
+        let model = amp.model(TwoLinear::new).unwrap();
+        let mut opt = algo(&amp);
+        for (x, y) in &data {
+            let loss = candle_nn::loss::mse(&model.forward(x).unwrap(), y).unwrap();
+            amp.scale_loss(&loss, &mut opt).unwrap().backward().unwrap();
+            opt.step()?;
+            opt.zero_grad();
+        }
+        Ok::<_, AmpError>(store_values(amp.store()))
+    };
+    let ours = run(Box::new(|a| a.optimizer(sgd(0.1))), OptLevel::O2).unwrap();
+    let adapted = run(
+        Box::new(|a| a.optimizer(CandleOptimizer::<candle_nn::SGD>::new(0.1, 0.1))),
+        OptLevel::O2,
+    )
+    .unwrap();
+    assert_eq!(ours, adapted);
+    let e = run(
+        Box::new(|a| a.optimizer(CandleOptimizer::<candle_nn::SGD>::new(0.1, 0.1))),
+        OptLevel::O3,
+    )
+    .unwrap_err();
+    assert!(matches!(e, AmpError::OptimizerState(_)), "{e}");
+}
+
+#[test]
+fn disabled_amp_trains_like_plain_candle_and_does_not_skip() {
+    let data = batches(3, 13);
+    let cfg = AmpConfig::new(OptLevel::O2).enabled(false);
+    let (model, mut opt, amp) = amp::initialize(TwoLinear::new, sgd(0.1), cfg).unwrap();
+    assert_eq!(amp.store().param("l1.weight").unwrap().working.dtype(), DType::F32);
+    let vm = f32_copy(amp.store());
+    let control = TwoLinear::new(vb_of(&vm)).unwrap();
+    let mut c = <candle_nn::SGD as candle_nn::Optimizer>::new(vm.all_vars(), 0.1).unwrap();
+    for (x, y) in &data {
+        let loss = candle_nn::loss::mse(&model.forward(x).unwrap(), y).unwrap();
+        amp.scale_loss(&loss, &mut opt).unwrap().backward().unwrap();
+        opt.step().unwrap();
+        opt.zero_grad();
+        candle_nn::Optimizer::step(&mut c, &mse(&control, x, y).backward().unwrap()).unwrap();
+    }
+    assert_eq!(store_values(amp.store()), varmap_values(&vm));
+    let loss = (one_step_loss(&model, 1) * f64::NAN).unwrap();
+    assert!(!amp.scale_loss(&loss, &mut opt).unwrap().backward().unwrap().found_inf);
+    assert!(
+        !opt.step().unwrap().is_skipped(),
+        "disabled: no checks, like plain candle"
+    );
+}
