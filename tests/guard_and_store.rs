@@ -342,3 +342,44 @@ fn disabled_amp_trains_like_plain_candle_and_does_not_skip() {
         "disabled: no checks, like plain candle"
     );
 }
+
+#[test]
+fn unmodified_candle_layers_train_at_every_level() {
+    // conv2d (f16 at O2/O3), embedding and activations from candle-nn, unchanged.
+    struct Net {
+        emb: candle_nn::Embedding,
+        conv: candle_nn::Conv2d,
+        fc: candle_nn::Linear,
+    }
+    let x_ids = Tensor::new(&[[1u32, 2, 3, 4], [5, 6, 7, 0]], &Device::Cpu).unwrap();
+    for level in OptLevel::ALL {
+        let amp = amp::Amp::new(level, &Device::Cpu).unwrap();
+        let net = amp
+            .model(|vb| {
+                Ok(Net {
+                    emb: candle_nn::embedding(8, 16, vb.pp("emb"))?,
+                    conv: candle_nn::conv2d(1, 2, 3, Default::default(), vb.pp("conv"))?,
+                    fc: candle_nn::linear(2 * 4 * 2, 1, vb.pp("fc"))?,
+                })
+            })
+            .unwrap();
+        let mut opt = amp.optimizer(amp::optim::AdamW::new(Default::default()).unwrap());
+        let mut losses = Vec::new();
+        for _ in 0..10 {
+            let n = net.inner();
+            let h = candle_nn::Module::forward(&n.emb, &x_ids).unwrap(); // (2, 4, 16)
+            let h = h.reshape((2, 1, 4, 16)).unwrap();
+            let h = candle_nn::Module::forward(&n.conv, &h).unwrap().gelu().unwrap(); // (2, 2, 2, 14)
+            let h = h.narrow(3, 0, 4).unwrap().flatten_from(1).unwrap();
+            let out = candle_nn::Module::forward(&n.fc, &h).unwrap();
+            let out = net.cast_output(&out).unwrap();
+            let loss = (out - 1.0).unwrap().sqr().unwrap().mean_all().unwrap();
+            losses.push(loss.to_scalar::<f32>().unwrap());
+            amp.scale_loss(&loss, &mut opt).unwrap().backward().unwrap();
+            opt.step().unwrap();
+            opt.zero_grad();
+        }
+        assert!(losses[9] < losses[0], "{level}: {losses:?}");
+        assert_eq!(opt.master_grads().len(), 0);
+    }
+}
