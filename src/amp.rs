@@ -4,19 +4,25 @@
 //! [`ParamStore`], its loss scalers and the gradient-reduction hook. Models and optimizers
 //! made from it share that state; nothing is global.
 
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use candle_core::backprop::GradStore;
-use candle_core::{Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarBuilder;
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
 
-use crate::error::{AmpError, Result};
+use crate::error::{AmpError, CheckpointErrorKind, Result};
 use crate::guard::ScaleLoss;
 use crate::loss_scale::LossScale;
 use crate::model::AmpModel;
 use crate::opt_level::{AmpConfig, Properties};
+use crate::optim::TensorData;
 use crate::optim::{AmpOptimizer, Optimizer};
+use crate::rng::Generator;
 use crate::scaler::{ScalerSlot, ScalerState};
 use crate::store::{ParamStore, StorePolicy};
 
@@ -40,6 +46,72 @@ pub(crate) struct Shared {
     scalers: Mutex<Vec<ScalerSlot>>,
     pub reducer: Mutex<Option<Arc<dyn GradReducer>>>,
     pub next_opt_id: AtomicUsize,
+    generators: Mutex<BTreeMap<String, Generator>>,
+}
+
+/// The version of [`AmpState`] (and of checkpoints) this build writes and the newest it reads.
+pub const STATE_FORMAT_VERSION: u32 = 1;
+
+/// The run's state as a serde value: what [`Amp::state_dict`] returns. Weights are f32 (the
+/// masters at O2), so nothing is lost whatever the level.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AmpState {
+    /// [`STATE_FORMAT_VERSION`] when written.
+    pub format_version: u32,
+    /// The resolved properties of the run that saved it (informational: loading keeps the
+    /// loading run's properties).
+    pub properties: Properties,
+    /// Every loss scaler's state and skip counters.
+    pub scalers: Vec<ScalerState>,
+    /// The parameter store's initialisation generator.
+    pub store_rng: ChaCha8Rng,
+    /// The run's named generators (data order, dropout, ...).
+    pub generators: BTreeMap<String, ChaCha8Rng>,
+    /// f32 weights and buffers by name (empty inside checkpoint directories, which keep them in
+    /// safetensors).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub weights: BTreeMap<String, TensorData>,
+}
+
+/// Whether loading weights insists that names match exactly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadMode {
+    /// Missing and unexpected names are errors.
+    Strict,
+    /// Load the names both sides have; report the rest.
+    Lenient,
+}
+
+/// What [`Amp::load_weights`] did.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct LoadReport {
+    /// Names loaded.
+    pub loaded: Vec<String>,
+    /// Model parameters the file does not have (left as initialised).
+    pub missing: Vec<String>,
+    /// Names in the file the model does not have (ignored).
+    pub unexpected: Vec<String>,
+}
+
+fn mismatch(path: &str, what: &str, missing: &[String], unexpected: &[String], shapes: &[String]) -> AmpError {
+    let mut parts = Vec::new();
+    if !missing.is_empty() {
+        parts.push(format!("missing from the {what}: {}", missing.join(", ")));
+    }
+    if !unexpected.is_empty() {
+        parts.push(format!("not in the model: {}", unexpected.join(", ")));
+    }
+    if !shapes.is_empty() {
+        parts.push(format!("shape mismatch: {}", shapes.join("; ")));
+    }
+    AmpError::checkpoint(
+        path,
+        CheckpointErrorKind::Mismatch,
+        format!(
+            "{} (is it from a different model? build the same architecture, or load pretrained weights leniently)",
+            parts.join("; ")
+        ),
+    )
 }
 
 impl Shared {
@@ -79,8 +151,207 @@ impl Amp {
                 scalers: Mutex::new(scalers),
                 reducer: Mutex::new(None),
                 next_opt_id: AtomicUsize::new(0),
+                generators: Mutex::new(BTreeMap::new()),
             }),
         })
+    }
+
+    /// The run's generator called `name` (created, seeded from the run's seed and the name, on
+    /// first use). Its state is part of [`state_dict`](Amp::state_dict) and checkpoints, so
+    /// data order and dropout resume exactly.
+    pub fn generator(&self, name: &str) -> Generator {
+        let mut g = self.shared.generators.lock().unwrap_or_else(|p| p.into_inner());
+        g.entry(name.to_string())
+            .or_insert_with(|| Generator::new(self.shared.props.seed, name))
+            .clone()
+    }
+
+    /// The run's state: properties, loss scalers, generators and f32 weights. Optimizer state
+    /// is separate ([`AmpOptimizer::state_dict`]).
+    pub fn state_dict(&self) -> Result<AmpState> {
+        let weights = self
+            .shared
+            .store
+            .f32_values()?
+            .iter()
+            .map(|(k, t)| Ok((k.clone(), TensorData::from_tensor(t)?)))
+            .collect::<Result<_>>()?;
+        let generators = self
+            .shared
+            .generators
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(k, g)| (k.clone(), g.snapshot()))
+            .collect();
+        Ok(AmpState {
+            format_version: STATE_FORMAT_VERSION,
+            properties: self.shared.props.clone(),
+            scalers: self.scaler_states(),
+            store_rng: self.shared.store.rng_state(),
+            generators,
+            weights,
+        })
+    }
+
+    /// Checks that `state` fits this run without changing anything: format version, number
+    /// of loss scalers, and (when it carries weights) names and shapes.
+    pub fn check_state(&self, state: &AmpState, origin: &str) -> Result<()> {
+        if state.format_version > STATE_FORMAT_VERSION {
+            return Err(AmpError::checkpoint(
+                origin,
+                CheckpointErrorKind::NewerFormat,
+                format!(
+                    "format version {} is newer than {STATE_FORMAT_VERSION}, the newest this build reads; upgrade candle-amp",
+                    state.format_version
+                ),
+            ));
+        }
+        let n = self.shared.props.num_losses;
+        if state.scalers.len() != n {
+            return Err(AmpError::checkpoint(
+                origin,
+                CheckpointErrorKind::Mismatch,
+                format!(
+                    "it has {} loss scaler(s) but this run has num_losses = {n}; initialize with the same num_losses",
+                    state.scalers.len()
+                ),
+            ));
+        }
+        let (missing, unexpected, shapes) = self
+            .shared
+            .store
+            .diff_names(state.weights.iter().map(|(k, t)| (k, t.shape.as_slice())));
+        if !missing.is_empty() || !unexpected.is_empty() || !shapes.is_empty() {
+            return Err(mismatch(origin, "checkpoint", &missing, &unexpected, &shapes));
+        }
+        for (k, t) in &state.weights {
+            if t.data.len() != t.shape.iter().product::<usize>() {
+                return Err(AmpError::checkpoint(
+                    origin,
+                    CheckpointErrorKind::Corrupt,
+                    format!("weight `{k}` has {} values for shape {:?}", t.data.len(), t.shape),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Restores [`state_dict`](Amp::state_dict)'s output, at any opt level: the f32 weights
+    /// always load (into masters and, cast, into working weights); a scaler's scale loads
+    /// where both the saved and this run's scaler are dynamic, its skip counters always; the
+    /// generators load. Everything is checked before anything changes.
+    pub fn load_state_dict(&self, state: &AmpState) -> Result<()> {
+        self.check_state(state, "<state>")?;
+        let dev = self.shared.store.device().clone();
+        for (k, t) in &state.weights {
+            self.shared.store.write_f32(k, &t.to_tensor(&dev)?)?;
+        }
+        {
+            let mut scalers = self.shared.scalers_mut();
+            for (slot, saved) in scalers.iter_mut().zip(&state.scalers) {
+                let st = &mut slot.state;
+                if st.scale.is_dynamic() && saved.scale.is_dynamic() {
+                    st.scale = saved.scale;
+                }
+                st.updates = saved.updates;
+                st.total_skips = saved.total_skips;
+                st.consecutive_skips = saved.consecutive_skips;
+            }
+        }
+        self.shared.store.set_rng_state(state.store_rng.clone());
+        for (name, rng) in &state.generators {
+            self.generator(name).restore(rng.clone());
+        }
+        if state.properties.opt_level != self.shared.props.opt_level || state.properties.half != self.shared.props.half
+        {
+            log::info!(
+                "loaded state saved at {} {} into a run at {} {}",
+                state.properties.opt_level,
+                state.properties.half,
+                self.shared.props.opt_level,
+                self.shared.props.half
+            );
+        }
+        Ok(())
+    }
+
+    /// Loads pretrained weights from a safetensors file in f32, f16 or bf16 (converted to
+    /// f32 masters). Shape mismatches are always errors; with [`LoadMode::Strict`] missing
+    /// and unexpected names are too. Nothing is written unless the whole file fits.
+    pub fn load_weights(&self, path: impl AsRef<Path>, mode: LoadMode) -> Result<LoadReport> {
+        let path = path.as_ref();
+        let bytes = std::fs::read(path).map_err(|e| {
+            let kind = if e.kind() == std::io::ErrorKind::NotFound {
+                CheckpointErrorKind::NotFound
+            } else {
+                CheckpointErrorKind::Io
+            };
+            AmpError::checkpoint(path, kind, e.to_string())
+        })?;
+        let tensors: HashMap<String, Tensor> =
+            candle_core::safetensors::load_buffer(&bytes, self.shared.store.device()).map_err(|e| {
+                AmpError::checkpoint(
+                    path,
+                    CheckpointErrorKind::Corrupt,
+                    format!("not a safetensors file: {e}"),
+                )
+            })?;
+        let dims: BTreeMap<String, Vec<usize>> = tensors.iter().map(|(k, t)| (k.clone(), t.dims().to_vec())).collect();
+        let (missing, unexpected, shapes) = self
+            .shared
+            .store
+            .diff_names(dims.iter().map(|(k, d)| (k, d.as_slice())));
+        let strict_fail = mode == LoadMode::Strict && (!missing.is_empty() || !unexpected.is_empty());
+        if strict_fail || !shapes.is_empty() {
+            return Err(mismatch(
+                &path.display().to_string(),
+                "file",
+                &missing,
+                &unexpected,
+                &shapes,
+            ));
+        }
+        if let Some((k, t)) = tensors.iter().find(|(_, t)| !t.dtype().is_float()) {
+            return Err(AmpError::checkpoint(
+                path,
+                CheckpointErrorKind::Mismatch,
+                format!("`{k}` has dtype {:?}; weights must be f32, f16 or bf16", t.dtype()),
+            ));
+        }
+        let mut loaded = Vec::new();
+        for name in dims.keys() {
+            if unexpected.contains(name) {
+                continue;
+            }
+            self.shared
+                .store
+                .write_f32(name, &tensors[name].to_dtype(DType::F32)?)?;
+            loaded.push(name.clone());
+        }
+        Ok(LoadReport {
+            loaded,
+            missing,
+            unexpected,
+        })
+    }
+
+    /// Saves the weights for inference in the half type (buffers such as batch-norm
+    /// statistics stay f32), cast from the f32 values, as safetensors.
+    pub fn export_half(&self, path: impl AsRef<Path>) -> Result<()> {
+        let half = self.shared.props.half.dtype();
+        let mut out = HashMap::new();
+        for p in self.shared.store.params() {
+            let v = p.f32_value()?;
+            let v = if p.kind == crate::store::ParamKind::Trainable {
+                v.to_dtype(half)?
+            } else {
+                v
+            };
+            out.insert(p.name.clone(), v);
+        }
+        candle_core::safetensors::save(&out, path.as_ref())
+            .map_err(|e| AmpError::checkpoint(path.as_ref(), CheckpointErrorKind::Io, e.to_string()))
     }
 
     /// The resolved properties.
@@ -227,8 +498,21 @@ pub fn initialize_on<M>(
     config: impl Into<AmpConfig>,
     device: &Device,
 ) -> Result<(AmpModel<M>, AmpOptimizer, Amp)> {
+    let config = config.into();
+    let pretrained = config.pretrained.clone();
     let amp = Amp::new(config, device)?;
     let model = amp.model(build)?;
+    if let Some((path, mode)) = pretrained {
+        let report = amp.load_weights(&path, mode)?;
+        if !report.missing.is_empty() || !report.unexpected.is_empty() {
+            log::warn!(
+                "pretrained weights {}: missing {:?}, unexpected {:?}",
+                path.display(),
+                report.missing,
+                report.unexpected
+            );
+        }
+    }
     let opt = amp.optimizer(optimizer);
     Ok((model, opt, amp))
 }

@@ -93,9 +93,75 @@ pub enum AmpError {
     #[error("optimizer state: {0}")]
     OptimizerState(String),
 
+    /// A checkpoint or weights file that cannot be used. Nothing was changed, on disk or in
+    /// memory.
+    #[error("checkpoint {path}: {kind}: {detail}")]
+    Checkpoint {
+        /// The file or directory.
+        path: String,
+        /// What kind of problem.
+        kind: CheckpointErrorKind,
+        /// The details and what to do.
+        detail: String,
+    },
+
     /// An error from candle.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+}
+
+/// Kinds of [`AmpError::Checkpoint`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CheckpointErrorKind {
+    /// No checkpoint exists there.
+    NotFound,
+    /// A file the manifest lists is missing.
+    MissingFile,
+    /// A file is shorter than the manifest says.
+    Truncated,
+    /// A checksum does not match, or a file cannot be parsed.
+    Corrupt,
+    /// Written by a newer format version than this build reads.
+    NewerFormat,
+    /// From a different model (names, shapes), another optimizer or scaler setup.
+    Mismatch,
+    /// The file system failed.
+    Io,
+}
+
+impl std::fmt::Display for CheckpointErrorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = match self {
+            CheckpointErrorKind::NotFound => "not found",
+            CheckpointErrorKind::MissingFile => "missing file",
+            CheckpointErrorKind::Truncated => "truncated",
+            CheckpointErrorKind::Corrupt => "corrupt",
+            CheckpointErrorKind::NewerFormat => "newer format",
+            CheckpointErrorKind::Mismatch => "does not match",
+            CheckpointErrorKind::Io => "i/o error",
+        };
+        f.write_str(s)
+    }
+}
+
+impl AmpError {
+    /// A checkpoint error.
+    pub fn checkpoint(path: impl AsRef<std::path::Path>, kind: CheckpointErrorKind, detail: impl Into<String>) -> Self {
+        AmpError::Checkpoint {
+            path: path.as_ref().display().to_string(),
+            kind,
+            detail: detail.into(),
+        }
+    }
+
+    /// The checkpoint error kind, if this is one.
+    pub fn checkpoint_kind(&self) -> Option<CheckpointErrorKind> {
+        match self {
+            AmpError::Checkpoint { kind, .. } => Some(*kind),
+            _ => None,
+        }
+    }
 }
 
 impl From<AmpError> for candle_core::Error {

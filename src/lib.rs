@@ -35,6 +35,7 @@
 #![warn(missing_docs)]
 
 pub mod amp;
+pub mod checkpoint;
 pub mod error;
 pub mod guard;
 pub mod loss_scale;
@@ -42,11 +43,12 @@ pub mod model;
 pub mod nn;
 pub mod opt_level;
 pub mod optim;
+pub mod rng;
 pub mod scaler;
 pub mod store;
 
-pub use amp::{Amp, GradReducer, initialize, initialize_on};
-pub use error::{AmpError, Result};
+pub use amp::{Amp, AmpState, GradReducer, LoadMode, LoadReport, STATE_FORMAT_VERSION, initialize, initialize_on};
+pub use error::{AmpError, CheckpointErrorKind, Result};
 pub use guard::{BackwardReport, ScaleLoss};
 pub use loss_scale::LossScale;
 pub use model::AmpModel;

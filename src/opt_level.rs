@@ -305,6 +305,9 @@ pub struct AmpConfig {
     pub seed: u64,
     /// Skipped steps in a row after which `step` returns [`AmpError::PersistentOverflow`].
     pub max_consecutive_skips: u32,
+    /// Pretrained safetensors (f32, f16 or bf16) that [`crate::initialize`] loads after
+    /// building the model.
+    pub pretrained: Option<(std::path::PathBuf, crate::amp::LoadMode)>,
 }
 
 impl From<OptLevel> for AmpConfig {
@@ -350,7 +353,14 @@ impl AmpConfig {
             verbosity: 1,
             seed: 0,
             max_consecutive_skips: 100,
+            pretrained: None,
         }
+    }
+
+    /// Starts from pretrained weights (see [`crate::Amp::load_weights`]).
+    pub fn pretrained(mut self, path: impl Into<std::path::PathBuf>, mode: crate::amp::LoadMode) -> Self {
+        self.pretrained = Some((path.into(), mode));
+        self
     }
 
     setter!(/// Sets the half type.

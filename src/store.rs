@@ -213,6 +213,51 @@ impl ParamStore {
         self.lock().generation
     }
 
+    /// A copy of the initialisation generator's state.
+    pub fn rng_state(&self) -> ChaCha8Rng {
+        self.lock().rng.clone()
+    }
+
+    /// Restores the initialisation generator's state.
+    pub fn set_rng_state(&self, rng: ChaCha8Rng) {
+        self.lock().rng = rng;
+    }
+
+    /// Every parameter and buffer as f32 (masters where kept), by name.
+    pub fn f32_values(&self) -> Result<std::collections::BTreeMap<String, Tensor>> {
+        self.params()
+            .iter()
+            .map(|p| Ok((p.name.clone(), p.f32_value()?)))
+            .collect()
+    }
+
+    /// Checks `values` against the store: names missing from `values`, names the store does
+    /// not have, and shape mismatches. Returns (missing, unexpected, mismatched shapes).
+    pub fn diff_names<'a>(
+        &self,
+        values: impl IntoIterator<Item = (&'a String, &'a [usize])>,
+    ) -> (Vec<String>, Vec<String>, Vec<String>) {
+        let params = self.params();
+        let mut seen = std::collections::BTreeSet::new();
+        let (mut unexpected, mut shapes) = (Vec::new(), Vec::new());
+        for (name, dims) in values {
+            seen.insert(name.clone());
+            match params.iter().find(|p| &p.name == name) {
+                None => unexpected.push(name.clone()),
+                Some(p) if p.working.dims() != dims => {
+                    shapes.push(format!("{name}: checkpoint {:?}, model {:?}", dims, p.working.dims()))
+                }
+                Some(_) => {}
+            }
+        }
+        let missing = params
+            .iter()
+            .filter(|p| !seen.contains(&p.name))
+            .map(|p| p.name.clone())
+            .collect();
+        (missing, unexpected, shapes)
+    }
+
     /// Records that parameters were written directly (through their Vars).
     pub(crate) fn bump_generation(&self) {
         self.lock().generation += 1;

@@ -2,7 +2,12 @@
 //! accuracy, skipped steps, the final loss scale and the median step time.
 //!
 //! `cargo run --release --example train -- [--opt-level O2]... [--half f16|bf16]
-//!  [--data FILE.csv] [--steps N] [--seed N] [--json]`
+//!  [--data FILE.csv] [--steps N] [--seed N] [--json] [--save DIR] [--resume DIR]`
+//!
+//! `--save DIR` writes a checkpoint per run under `DIR/<model>-<level>-<half>/` at the end;
+//! `--resume DIR` continues each run from there (`--steps` counts from the start of
+//! training), so a run cut in two prints the same JSON as one run straight through, but
+//! for `step_ms`.
 
 mod data;
 mod models;
@@ -11,11 +16,10 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use candle_amp as amp;
+use candle_amp::checkpoint::{Checkpoint, CheckpointDir};
 use candle_core::{DType, Device, Tensor};
 use indicatif::{ProgressBar, ProgressStyle};
-use rand::SeedableRng;
 use rand::seq::SliceRandom;
-use rand_chacha::ChaCha8Rng;
 
 use data::Dataset;
 use models::Mlp;
@@ -30,10 +34,12 @@ struct Args {
     steps: usize,
     seed: u64,
     json: bool,
+    save: Option<String>,
+    resume: Option<String>,
 }
 
 fn usage() -> &'static str {
-    "usage: train [--opt-level O0|O1|O2|O3]... [--half f16|bf16] [--data FILE.csv] [--steps N] [--seed N] [--json]"
+    "usage: train [--opt-level O0|O1|O2|O3]... [--half f16|bf16] [--data FILE.csv] [--steps N] [--seed N] [--json] [--save DIR] [--resume DIR]"
 }
 
 fn parse_args() -> Result<Args> {
@@ -44,6 +50,8 @@ fn parse_args() -> Result<Args> {
         steps: 600,
         seed: 0,
         json: false,
+        save: None,
+        resume: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -55,6 +63,8 @@ fn parse_args() -> Result<Args> {
             "--steps" => a.steps = value()?.parse().context("--steps takes a positive integer")?,
             "--seed" => a.seed = value()?.parse().context("--seed takes a non-negative integer")?,
             "--json" => a.json = true,
+            "--save" => a.save = Some(value()?),
+            "--resume" => a.resume = Some(value()?),
             "-h" | "--help" => {
                 eprintln!("{}", usage());
                 std::process::exit(0);
@@ -99,6 +109,19 @@ fn tensors(d: &Dataset, idx: &[usize], dev: &Device) -> Result<(Tensor, Tensor)>
     ))
 }
 
+/// What the example keeps in a checkpoint beside the library's state.
+#[derive(serde::Serialize, serde::Deserialize, Default)]
+struct Progress {
+    /// Training loss of every step so far.
+    losses: Vec<f64>,
+    /// Rows of the current epoch not yet used.
+    order: Vec<usize>,
+}
+
+fn run_dir(root: &str, model: &str, level: amp::OptLevel, half: amp::HalfType) -> CheckpointDir {
+    CheckpointDir::new(std::path::Path::new(root).join(format!("{model}-{level}-{half}")), 1)
+}
+
 fn train_one(train: &Dataset, test: &Dataset, classes: usize, level: amp::OptLevel, a: &Args) -> Result<RunResult> {
     let dev = Device::Cpu;
     let config = amp::AmpConfig::new(level).half(a.half).seed(a.seed);
@@ -116,19 +139,45 @@ fn train_one(train: &Dataset, test: &Dataset, classes: usize, level: amp::OptLev
         .working
         .dtype();
 
-    let pb = ProgressBar::new(a.steps as u64);
+    let mut start = 0usize;
+    let mut progress = Progress::default();
+    if let Some(root) = &a.resume {
+        let dir = run_dir(root, "mlp", level, a.half);
+        let ck = dir
+            .load()
+            .with_context(|| format!("resuming {level} from {}", dir.root().display()))?;
+        ck.restore(&amp, &mut [&mut opt])?;
+        progress = serde_json::from_value(ck.extra.clone()).context("the checkpoint's example progress")?;
+        start = ck.step as usize;
+        if start > a.steps {
+            bail!(
+                "the checkpoint in {} is at step {start}, beyond --steps {}",
+                dir.root().display(),
+                a.steps
+            );
+        }
+        if progress.losses.len() != start {
+            bail!(
+                "the checkpoint in {} is inconsistent: {} losses for step {start}",
+                dir.root().display(),
+                progress.losses.len()
+            );
+        }
+    }
+
+    let pb = ProgressBar::new(a.steps.saturating_sub(start) as u64);
     pb.set_style(ProgressStyle::with_template("{prefix:>4} [{bar:30}] {pos}/{len} {msg}")?.progress_chars("=> "));
     pb.set_prefix(level.to_string());
 
-    // Batches from a seeded permutation of the training rows, reshuffled every epoch.
-    let mut rng = ChaCha8Rng::seed_from_u64(a.seed.wrapping_add(1));
-    let mut order: Vec<usize> = Vec::new();
-    let mut losses = Vec::with_capacity(a.steps);
+    // Batches from a seeded permutation of the training rows, reshuffled every epoch. The
+    // generator belongs to the run, so checkpoints carry it.
+    let data_rng = amp.generator("data");
+    let Progress { mut losses, mut order } = progress;
     let mut times = Vec::with_capacity(a.steps);
-    for _ in 0..a.steps {
+    for _ in start..a.steps {
         if order.len() < BATCH.min(train.len()) {
             let mut perm: Vec<usize> = (0..train.len()).collect();
-            perm.shuffle(&mut rng);
+            perm.shuffle(&mut *data_rng.lock());
             order.extend(perm);
         }
         let idx: Vec<usize> = order.drain(..BATCH.min(train.len())).collect();
@@ -146,9 +195,22 @@ fn train_one(train: &Dataset, test: &Dataset, classes: usize, level: amp::OptLev
         pb.inc(1);
     }
     pb.finish_and_clear();
+    if let Some(root) = &a.save {
+        let dir = run_dir(root, "mlp", level, a.half);
+        let mut ck = Checkpoint::capture(&amp, &[&opt], losses.len() as u64)?;
+        ck.extra = serde_json::to_value(Progress {
+            losses: losses.clone(),
+            order,
+        })?;
+        dir.save(&ck)?;
+    }
 
-    let tail = (a.steps / 10).max(1);
-    let final_loss = losses[losses.len() - tail..].iter().sum::<f64>() / tail as f64;
+    let tail = (losses.len() / 10).max(1).min(losses.len());
+    let final_loss = if tail == 0 {
+        f64::NAN
+    } else {
+        losses[losses.len() - tail..].iter().sum::<f64>() / tail as f64
+    };
     model.eval();
     let all: Vec<usize> = (0..test.len()).collect();
     let (x, y) = tensors(test, &all, &dev)?;
@@ -157,6 +219,7 @@ fn train_one(train: &Dataset, test: &Dataset, classes: usize, level: amp::OptLev
     let pred = logits.argmax(1)?.to_vec1::<u32>()?;
     let correct = pred.iter().zip(&test.y).filter(|(p, t)| p == t).count();
     times.sort_by(|p, q| p.total_cmp(q));
+    let step_ms = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
     Ok(RunResult {
         level,
         param_dtype,
@@ -165,7 +228,7 @@ fn train_one(train: &Dataset, test: &Dataset, classes: usize, level: amp::OptLev
         accuracy: correct as f64 / test.len().max(1) as f64,
         skipped: opt.skipped_steps(),
         final_scale: amp.loss_scale(0)?,
-        step_ms: times[times.len() / 2],
+        step_ms,
     })
 }
 
@@ -183,6 +246,14 @@ fn main() -> Result<()> {
     let (train, test) = data::split_standardise(&ds, 0.2, a.seed);
     if test.len() == 0 || train.len() == 0 {
         bail!("the data has {} rows: too few for a 20% held-out split", ds.len());
+    }
+    if let Some(root) = &a.resume {
+        // Verify every checkpoint before training anything.
+        for &level in &a.levels {
+            let dir = run_dir(root, "mlp", level, a.half);
+            dir.load()
+                .with_context(|| format!("resuming {level} from {}", dir.root().display()))?;
+        }
     }
     let mut rows = Vec::new();
     for &level in &a.levels {

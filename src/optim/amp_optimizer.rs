@@ -506,9 +506,9 @@ impl AmpOptimizer {
         })
     }
 
-    /// Restores [`state_dict`](Self::state_dict)'s output. The groups must have the same
-    /// names in the same order (add them before loading).
-    pub fn load_state_dict(&mut self, state: &AmpOptimizerState) -> Result<()> {
+    /// Checks that `state` fits this optimizer (same algorithm, same group names in the same
+    /// order) without changing anything.
+    pub fn check_state(&self, state: &AmpOptimizerState) -> Result<()> {
         let names: Vec<&String> = self.groups.iter().map(|g| &g.name).collect();
         let saved: Vec<&String> = state.groups.iter().map(|(n, _)| n).collect();
         if names != saved {
@@ -516,7 +516,16 @@ impl AmpOptimizer {
                 "the state has groups {saved:?} but this optimizer has {names:?}; add the same groups before loading"
             )));
         }
+        state.algorithm.expect_kind(self.algo.name())
+    }
+
+    /// Restores [`state_dict`](Self::state_dict)'s output. The groups must have the same
+    /// names in the same order (add them before loading). Gradients accumulated so far are
+    /// dropped.
+    pub fn load_state_dict(&mut self, state: &AmpOptimizerState) -> Result<()> {
+        self.check_state(state)?;
         self.algo.load_state_dict(&state.algorithm)?;
+        self.zero_grad();
         for (g, (_, h)) in self.groups.iter_mut().zip(&state.groups) {
             g.hyper = *h;
         }

@@ -1,0 +1,520 @@
+//! Checkpoints: exact resume in a new process, crash safety under SIGKILL, bad input, fuzzed
+//! readers, level changes, plain-candle loading, fine-tuning and half export.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use candle_amp::checkpoint::{Checkpoint, CheckpointDir};
+use candle_amp::optim::{AdamW, AdamWConfig};
+use candle_amp::{self as amp, AmpConfig, CheckpointErrorKind as Kind, LoadMode, OptLevel};
+use candle_core::{DType, Device, Tensor};
+use common::*;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+fn tmpdir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("candle-amp-test-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn setup(level: OptLevel) -> (amp::AmpModel<TwoLinear>, amp::AmpOptimizer, amp::Amp) {
+    let opt = AdamW::new(AdamWConfig {
+        lr: 1e-2,
+        ..Default::default()
+    })
+    .unwrap();
+    amp::initialize(TwoLinear::new, opt, AmpConfig::new(level).seed(3).verbosity(0)).unwrap()
+}
+
+/// One training step whose batch comes from the run's own "data" generator.
+fn train_step(model: &amp::AmpModel<TwoLinear>, opt: &mut amp::AmpOptimizer, amp: &amp::Amp) {
+    let (x, y) = {
+        let g = amp.generator("data");
+        let mut r = g.lock();
+        let x: Vec<f32> = (0..128).map(|_| r.random_range(-1.0..1.0)).collect();
+        let y: Vec<f32> = (0..128).map(|_| r.random_range(-1.0..1.0)).collect();
+        (
+            Tensor::from_vec(x, (16, 8), &Device::Cpu).unwrap(),
+            Tensor::from_vec(y, (16, 8), &Device::Cpu).unwrap(),
+        )
+    };
+    let loss = candle_nn::loss::mse(&model.forward(&x).unwrap(), &y).unwrap();
+    amp.scale_loss(&loss, opt).unwrap().backward().unwrap();
+    opt.step().unwrap();
+    opt.zero_grad();
+}
+
+fn level_from_env() -> OptLevel {
+    std::env::var("CKPT_LEVEL").unwrap().parse().unwrap()
+}
+
+/// Runs an ignored test of this binary as a child process.
+fn child(test: &str, envs: &[(&str, String)]) -> Command {
+    let mut c = Command::new(std::env::current_exe().unwrap());
+    c.args(["--exact", test, "--ignored", "--nocapture", "--test-threads", "1"]);
+    for (k, v) in envs {
+        c.env(k, v);
+    }
+    c
+}
+
+#[test]
+#[ignore = "run as a child process by resume_in_a_new_process_is_bitwise_exact"]
+fn child_resume_ten_more() {
+    let Ok(src) = std::env::var("CKPT_SRC") else { return };
+    let dst = std::env::var("CKPT_DST").unwrap();
+    let (model, mut opt, amp) = setup(level_from_env());
+    let ck = CheckpointDir::new(&src, 2).load().unwrap();
+    ck.restore(&amp, &mut [&mut opt]).unwrap();
+    for _ in 0..10 {
+        train_step(&model, &mut opt, &amp);
+    }
+    CheckpointDir::new(&dst, 2)
+        .save(&Checkpoint::capture(&amp, &[&opt], ck.step + 10).unwrap())
+        .unwrap();
+}
+
+#[test]
+fn resume_in_a_new_process_is_bitwise_exact() {
+    for level in [OptLevel::O0, OptLevel::O2] {
+        let dir = tmpdir(&format!("resume-{level}"));
+        // 10 steps, save.
+        let (model, mut opt, amp) = setup(level);
+        for _ in 0..10 {
+            train_step(&model, &mut opt, &amp);
+        }
+        CheckpointDir::new(dir.join("a"), 2)
+            .save(&Checkpoint::capture(&amp, &[&opt], 10).unwrap())
+            .unwrap();
+        // A new process loads and runs 10 more.
+        let st = child(
+            "child_resume_ten_more",
+            &[
+                ("CKPT_SRC", dir.join("a").display().to_string()),
+                ("CKPT_DST", dir.join("b").display().to_string()),
+                ("CKPT_LEVEL", level.to_string()),
+            ],
+        )
+        .stdout(std::process::Stdio::null())
+        .status()
+        .unwrap();
+        assert!(st.success());
+        // 20 steps straight.
+        let (model, mut opt, amp) = setup(level);
+        for _ in 0..20 {
+            train_step(&model, &mut opt, &amp);
+        }
+        let straight = Checkpoint::capture(&amp, &[&opt], 20).unwrap();
+        let resumed = CheckpointDir::new(dir.join("b"), 2).load().unwrap();
+        assert_eq!(resumed.step, 20);
+        assert_eq!(resumed.amp.weights, straight.amp.weights, "{level}: weights");
+        assert_eq!(resumed.optimizers, straight.optimizers, "{level}: optimizer state");
+        assert_eq!(resumed.amp.scalers, straight.amp.scalers, "{level}: scaler state");
+        assert_eq!(resumed, straight, "{level}: everything, generators included");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+#[test]
+#[ignore = "run as a child process by a_crash_while_saving_leaves_the_previous_checkpoint_loadable"]
+fn child_save_forever() {
+    let Ok(dir) = std::env::var("CKPT_CRASH_DIR") else {
+        return;
+    };
+    let (model, mut opt, amp) = setup(OptLevel::O2);
+    let ckpts = CheckpointDir::new(&dir, 2);
+    let mut step = 0;
+    if let Ok(ck) = ckpts.load() {
+        ck.restore(&amp, &mut [&mut opt]).unwrap();
+        step = ck.step;
+    }
+    loop {
+        train_step(&model, &mut opt, &amp);
+        step += 1;
+        ckpts.save(&Checkpoint::capture(&amp, &[&opt], step).unwrap()).unwrap();
+    }
+}
+
+#[test]
+fn a_crash_while_saving_leaves_the_previous_checkpoint_loadable() {
+    let dir = tmpdir("crash");
+    let ckpts = CheckpointDir::new(&dir, 2);
+    {
+        let (_, opt, amp) = setup(OptLevel::O2);
+        ckpts.save(&Checkpoint::capture(&amp, &[&opt], 0).unwrap()).unwrap();
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(42);
+    let mut last = 0;
+    let mut advanced = 0;
+    for _ in 0..15 {
+        let mut c = child("child_save_forever", &[("CKPT_CRASH_DIR", dir.display().to_string())])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(rng.random_range(30..250)));
+        c.kill().unwrap(); // SIGKILL
+        c.wait().unwrap();
+        let ck = ckpts.load().expect("the previous checkpoint must load and verify");
+        assert!(ck.step >= last, "steps never go back");
+        advanced += (ck.step > last) as u32;
+        last = ck.step;
+        let (_, mut opt, amp) = setup(OptLevel::O2);
+        ck.restore(&amp, &mut [&mut opt]).unwrap();
+    }
+    assert!(advanced > 0, "the children must have saved something");
+    let versions = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with('v'))
+        .count();
+    assert!(
+        versions <= 2,
+        "leftovers are cleaned and only `keep` versions stay: {versions}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+fn snapshot_dir(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                out.push((p.clone(), std::fs::read(&p).unwrap()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn bad_checkpoints_are_typed_errors_that_change_nothing() {
+    let dir = tmpdir("bad");
+    let (model, mut opt, amp) = setup(OptLevel::O2);
+    train_step(&model, &mut opt, &amp);
+    let good = Checkpoint::capture(&amp, &[&opt], 1).unwrap();
+    let vdir = CheckpointDir::new(&dir, 2).save(&good).unwrap();
+    let pristine = snapshot_dir(&dir);
+
+    let check = |damage: &dyn Fn(&Path), kind: Kind| {
+        let case = tmpdir("bad-case");
+        for (p, bytes) in &pristine {
+            let q = case.join(p.strip_prefix(&dir).unwrap());
+            std::fs::create_dir_all(q.parent().unwrap()).unwrap();
+            std::fs::write(&q, bytes).unwrap();
+        }
+        damage(&case.join(vdir.file_name().unwrap()));
+        let before_disk = snapshot_dir(&case);
+        let (_, mut opt2, amp2) = setup(OptLevel::O2);
+        let mem = (amp2.state_dict().unwrap(), opt2.state_dict().unwrap());
+        let e = CheckpointDir::new(&case, 2)
+            .load()
+            .and_then(|ck| ck.restore(&amp2, &mut [&mut opt2]))
+            .unwrap_err();
+        assert_eq!(e.checkpoint_kind(), Some(kind), "{e}");
+        assert!(!e.to_string().is_empty());
+        assert_eq!(snapshot_dir(&case), before_disk, "nothing on disk changed");
+        assert_eq!(
+            (amp2.state_dict().unwrap(), opt2.state_dict().unwrap()),
+            mem,
+            "nothing in memory changed"
+        );
+        std::fs::remove_dir_all(&case).unwrap();
+    };
+    let truncate = |p: &Path| {
+        let b = std::fs::read(p).unwrap();
+        std::fs::write(p, &b[..b.len() / 2]).unwrap();
+    };
+    let flip = |p: &Path| {
+        let mut b = std::fs::read(p).unwrap();
+        let i = b.len() - 5;
+        b[i] ^= 0x10;
+        std::fs::write(p, &b).unwrap();
+    };
+    check(&|v| truncate(&v.join("weights.safetensors")), Kind::Truncated);
+    check(&|v| flip(&v.join("weights.safetensors")), Kind::Corrupt);
+    check(&|v| flip(&v.join("state.json")), Kind::Corrupt);
+    check(
+        &|v| std::fs::remove_file(v.join("state.json")).unwrap(),
+        Kind::MissingFile,
+    );
+    check(
+        &|v| std::fs::remove_file(v.join("manifest.json")).unwrap(),
+        Kind::MissingFile,
+    );
+    check(
+        &|v| {
+            let m = std::fs::read_to_string(v.join("manifest.json")).unwrap();
+            let m = m.replace("\"format_version\": 1", "\"format_version\": 99");
+            std::fs::write(v.join("manifest.json"), m).unwrap();
+        },
+        Kind::NewerFormat,
+    );
+    check(
+        &|v| std::fs::write(v.parent().unwrap().join("LATEST"), "garbage").unwrap(),
+        Kind::Corrupt,
+    );
+    check(
+        &|v| std::fs::remove_file(v.parent().unwrap().join("LATEST")).unwrap(),
+        Kind::NotFound,
+    );
+
+    // From a different model: names, then shapes.
+    let other = amp::Amp::new(AmpConfig::new(OptLevel::O2).verbosity(0), &Device::Cpu).unwrap();
+    other.model(|vb| candle_nn::linear(8, 8, vb.pp("l1"))).unwrap();
+    let mut o = other.optimizer(AdamW::new(Default::default()).unwrap());
+    let before = other.state_dict().unwrap();
+    let e = good.restore(&other, &mut [&mut o]).unwrap_err();
+    assert_eq!(e.checkpoint_kind(), Some(Kind::Mismatch));
+    assert!(e.to_string().contains("l2.weight"), "{e}");
+    assert_eq!(other.state_dict().unwrap(), before);
+    let other = amp::Amp::new(AmpConfig::new(OptLevel::O2).verbosity(0), &Device::Cpu).unwrap();
+    other
+        .model(|vb| {
+            candle_nn::linear(8, 8, vb.pp("l1"))?;
+            candle_nn::linear(8, 4, vb.pp("l2"))
+        })
+        .unwrap();
+    let mut o = other.optimizer(AdamW::new(Default::default()).unwrap());
+    let e = good.restore(&other, &mut [&mut o]).unwrap_err();
+    assert!(
+        e.to_string().contains("shape mismatch") && e.to_string().contains("l2.weight"),
+        "{e}"
+    );
+    // Another number of loss scalers or optimizers.
+    let (_, mut o3, a3) = amp::initialize(
+        TwoLinear::new,
+        AdamW::new(Default::default()).unwrap(),
+        AmpConfig::new(OptLevel::O2).num_losses(2),
+    )
+    .unwrap();
+    assert_eq!(
+        good.restore(&a3, &mut [&mut o3]).unwrap_err().checkpoint_kind(),
+        Some(Kind::Mismatch)
+    );
+    let (_, _, a4) = setup(OptLevel::O2);
+    assert_eq!(
+        good.restore(&a4, &mut []).unwrap_err().checkpoint_kind(),
+        Some(Kind::Mismatch)
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn fuzzed_checkpoint_files_never_panic_and_never_load_wrong() {
+    let dir = tmpdir("fuzz");
+    let (model, mut opt, amp) = setup(OptLevel::O2);
+    train_step(&model, &mut opt, &amp);
+    let good = Checkpoint::capture(&amp, &[&opt], 1).unwrap();
+    let vdir = CheckpointDir::new(&dir, 2).save(&good).unwrap();
+    let files: Vec<PathBuf> = ["weights.safetensors", "state.json", "manifest.json"]
+        .iter()
+        .map(|f| vdir.join(f))
+        .chain([dir.join("LATEST")])
+        .collect();
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let mut errors = 0;
+    for round in 0..300 {
+        let f = &files[round % files.len()];
+        let orig = std::fs::read(f).unwrap();
+        let mut b = orig.clone();
+        if rng.random_bool(0.3) {
+            b.truncate(rng.random_range(0..b.len()));
+        } else {
+            for _ in 0..rng.random_range(1..4) {
+                let i = rng.random_range(0..b.len());
+                b[i] ^= 1 << rng.random_range(0..8);
+            }
+        }
+        std::fs::write(f, &b).unwrap();
+        let res = std::panic::catch_unwind(|| CheckpointDir::new(&dir, 2).load());
+        let res = res.unwrap_or_else(|_| panic!("the reader panicked on a damaged {}", f.display()));
+        match res {
+            Ok(ck) => assert_eq!(ck, good, "a damaged file loaded as something else"),
+            Err(_) => errors += 1,
+        }
+        std::fs::write(f, &orig).unwrap();
+    }
+    assert!(errors > 250, "damage must be detected: {errors}/300");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn checkpoints_move_between_levels_and_keep_the_last_k() {
+    let dir = tmpdir("levels");
+    let ckpts = CheckpointDir::new(&dir, 2);
+    let (model, mut opt, amp) = setup(OptLevel::O2);
+    for s in 0..4 {
+        train_step(&model, &mut opt, &amp);
+        ckpts.save(&Checkpoint::capture(&amp, &[&opt], s + 1).unwrap()).unwrap();
+    }
+    let names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .collect();
+    assert_eq!(names.iter().filter(|n| n.starts_with('v')).count(), 2, "{names:?}");
+    let ck = ckpts.load().unwrap();
+    assert_eq!(ck.step, 4);
+    // O2 -> O0: the f32 masters load exactly; O0 keeps its static scale.
+    let (_, mut opt0, amp0) = setup(OptLevel::O0);
+    ck.restore(&amp0, &mut [&mut opt0]).unwrap();
+    assert_eq!(store_values(amp0.store()), store_values(amp.store()));
+    assert_eq!(amp0.loss_scale(0).unwrap(), 1.0);
+    assert_eq!(
+        opt0.state_dict().unwrap().algorithm,
+        opt.state_dict().unwrap().algorithm
+    );
+    // ... and back to O2: dynamic scaler state loads where both are dynamic.
+    let ck0 = Checkpoint::capture(&amp0, &[&opt0], 4).unwrap();
+    let (_, mut opt2, amp2) = setup(OptLevel::O2);
+    ck0.restore(&amp2, &mut [&mut opt2]).unwrap();
+    assert_eq!(store_values(amp2.store()), store_values(amp.store()));
+    assert_eq!(amp2.loss_scale(0).unwrap(), 65536.0);
+    let (_, mut opt2b, amp2b) = setup(OptLevel::O2);
+    amp.set_scaler_state(
+        0,
+        amp::ScalerState {
+            scale: amp::LossScale::dynamic(&Default::default(), 1.0, 1e9),
+            ..amp.scaler_states()[0].clone()
+        },
+    )
+    .unwrap();
+    let mut st = amp.scaler_states()[0].clone();
+    if let amp::LossScale::Dynamic(d) = &mut st.scale {
+        d.scale = 512.0;
+    }
+    amp.set_scaler_state(0, st).unwrap();
+    Checkpoint::capture(&amp, &[&opt], 4)
+        .unwrap()
+        .restore(&amp2b, &mut [&mut opt2b])
+        .unwrap();
+    assert_eq!(amp2b.loss_scale(0).unwrap(), 512.0);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn weights_load_into_a_plain_candle_model() {
+    let dir = tmpdir("plain");
+    let (model, mut opt, amp) = setup(OptLevel::O2);
+    train_step(&model, &mut opt, &amp);
+    let ckpts = CheckpointDir::new(&dir, 1);
+    ckpts.save(&Checkpoint::capture(&amp, &[&opt], 1).unwrap()).unwrap();
+    let mut vm = candle_nn::VarMap::new();
+    let plain = TwoLinear::new(vb_of(&vm)).unwrap();
+    vm.load(ckpts.latest_weights().unwrap()).unwrap();
+    assert_eq!(varmap_values(&vm), store_values(amp.store()));
+    let x = batches(1, 1).remove(0).0;
+    let a = flat(&candle_nn::Module::forward(&plain, &x).unwrap());
+    let b = flat(&model.forward(&x).unwrap());
+    assert!(
+        a.iter().zip(&b).all(|(p, q)| (p - q).abs() < 2e-2),
+        "the plain f32 model computes what the f16 one does"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn fine_tuning_starts_from_pretrained_weights_in_any_float_type() {
+    let dir = tmpdir("pretrained");
+    let (_, _, src) = setup(OptLevel::O0);
+    let reference = store_values(src.store());
+    for dt in [DType::F32, DType::F16, DType::BF16] {
+        let path = dir.join(format!("w-{dt:?}.safetensors"));
+        let map: std::collections::HashMap<String, Tensor> = src
+            .store()
+            .f32_values()
+            .unwrap()
+            .into_iter()
+            .map(|(k, v)| (k, v.to_dtype(dt).unwrap()))
+            .collect();
+        candle_core::safetensors::save(&map, &path).unwrap();
+        let cfg = AmpConfig::new(OptLevel::O2)
+            .seed(99)
+            .pretrained(&path, LoadMode::Strict);
+        let (_, _, amp) = amp::initialize(TwoLinear::new, AdamW::new(Default::default()).unwrap(), cfg).unwrap();
+        let got = store_values(amp.store());
+        let tol = if dt == DType::F32 { 0.0 } else { 1e-2 };
+        assert!(max_rel_diff(&got, &reference, 1e-2) <= tol, "{dt:?}");
+        assert_eq!(
+            amp.store().param("l1.weight").unwrap().master.unwrap().dtype(),
+            DType::F32
+        );
+    }
+    // Strict refuses missing/unexpected names; lenient reports them.
+    let path = dir.join("partial.safetensors");
+    let mut map: std::collections::HashMap<String, Tensor> = src.store().f32_values().unwrap().into_iter().collect();
+    map.remove("l2.bias");
+    map.insert(
+        "head.weight".into(),
+        Tensor::zeros(3, DType::F32, &Device::Cpu).unwrap(),
+    );
+    candle_core::safetensors::save(&map, &path).unwrap();
+    let (_, _, amp) = setup(OptLevel::O2);
+    let before = store_values(amp.store());
+    let e = amp.load_weights(&path, LoadMode::Strict).unwrap_err();
+    assert_eq!(e.checkpoint_kind(), Some(Kind::Mismatch));
+    assert!(
+        e.to_string().contains("l2.bias") && e.to_string().contains("head.weight"),
+        "{e}"
+    );
+    assert_eq!(store_values(amp.store()), before, "nothing loaded");
+    let r = amp.load_weights(&path, LoadMode::Lenient).unwrap();
+    assert_eq!(r.missing, vec!["l2.bias".to_string()]);
+    assert_eq!(r.unexpected, vec!["head.weight".to_string()]);
+    assert_eq!(r.loaded.len(), 3);
+    assert_eq!(store_values(amp.store())["l1.weight"], reference["l1.weight"]);
+    assert_eq!(store_values(amp.store())["l2.bias"], before["l2.bias"]);
+    let e = amp
+        .load_weights(dir.join("nope.safetensors"), LoadMode::Lenient)
+        .unwrap_err();
+    assert_eq!(e.checkpoint_kind(), Some(Kind::NotFound));
+    std::fs::write(dir.join("junk.safetensors"), b"junk").unwrap();
+    let e = amp
+        .load_weights(dir.join("junk.safetensors"), LoadMode::Lenient)
+        .unwrap_err();
+    assert_eq!(e.checkpoint_kind(), Some(Kind::Corrupt));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn export_writes_half_weights_and_f32_buffers() {
+    let dir = tmpdir("export");
+    let amp = amp::Amp::new(AmpConfig::new(OptLevel::O2).half(amp::HalfType::Bf16), &Device::Cpu).unwrap();
+    amp.model(|vb| {
+        candle_nn::linear(4, 3, vb.pp("fc"))?;
+        amp::nn::batch_norm(3, 1e-5, vb.pp("bn"))
+    })
+    .unwrap();
+    let p = dir.join("model.safetensors");
+    amp.export_half(&p).unwrap();
+    let m = candle_core::safetensors::load(&p, &Device::Cpu).unwrap();
+    assert_eq!(m["fc.weight"].dtype(), DType::BF16);
+    assert_eq!(m["bn.weight"].dtype(), DType::BF16);
+    assert_eq!(m["bn.running_mean"].dtype(), DType::F32);
+    let master = amp.store().param("fc.weight").unwrap().f32_value().unwrap();
+    assert_eq!(flat(&m["fc.weight"]), flat(&master.to_dtype(DType::BF16).unwrap()));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_nan_loss_leaves_weights_and_optimizer_state_unchanged() {
+    let (model, mut opt, amp) = setup(OptLevel::O0);
+    train_step(&model, &mut opt, &amp);
+    let (w, s) = (store_values(amp.store()), opt.state_dict().unwrap());
+    let (x, y) = batches(1, 5).remove(0);
+    let loss = (candle_nn::loss::mse(&model.forward(&x).unwrap(), &y).unwrap() * f64::INFINITY).unwrap();
+    amp.scale_loss(&loss, &mut opt).unwrap().backward().unwrap();
+    assert!(opt.step().unwrap().is_skipped());
+    assert_eq!(store_values(amp.store()), w);
+    let after = opt.state_dict().unwrap();
+    assert_eq!(after.algorithm, s.algorithm);
+    assert_eq!(after.skipped_steps, 1);
+}
