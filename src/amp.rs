@@ -15,6 +15,7 @@ use candle_nn::VarBuilder;
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
+use crate::autocast::{AutocastGuard, AutocastPolicy, CastContext, CastPolicy};
 use crate::error::{AmpError, CheckpointErrorKind, Result};
 use crate::guard::ScaleLoss;
 use crate::loss_scale::LossScale;
@@ -47,6 +48,7 @@ pub(crate) struct Shared {
     pub reducer: Mutex<Option<Arc<dyn GradReducer>>>,
     pub next_opt_id: AtomicUsize,
     generators: Mutex<BTreeMap<String, Generator>>,
+    pub casts: Arc<CastContext>,
 }
 
 /// The version of [`AmpState`] (and of checkpoints) this build writes and the newest it reads.
@@ -144,6 +146,11 @@ impl Amp {
         let store = ParamStore::new(StorePolicy::from_properties(&props), props.seed, device);
         let scale = LossScale::from_properties(&props);
         let scalers = (0..props.num_losses).map(|_| ScalerSlot::new(scale)).collect();
+        let casts = Arc::new(CastContext::new(
+            props.half.dtype(),
+            Some(store.clone()),
+            props.verbosity,
+        ));
         Ok(Self {
             shared: Arc::new(Shared {
                 props,
@@ -152,8 +159,41 @@ impl Amp {
                 reducer: Mutex::new(None),
                 next_opt_id: AtomicUsize::new(0),
                 generators: Mutex::new(BTreeMap::new()),
+                casts,
             }),
         })
+    }
+
+    /// The run's autocast policy: enabled when the properties patch functions (O1), else
+    /// disabled (ops run in their inputs' types).
+    pub fn autocast_policy(&self) -> AutocastPolicy {
+        AutocastPolicy {
+            enabled: self.shared.props.patch_functions,
+            context: self.shared.casts.clone(),
+        }
+    }
+
+    /// Enters the run's autocast policy on this thread until the guard drops. The model
+    /// wrapper does this around `forward` at O1; open it yourself to keep autocast around
+    /// code outside the model (our losses compute in f32 regardless).
+    pub fn autocast(&self) -> AutocastGuard {
+        crate::autocast::enter(self.autocast_policy())
+    }
+
+    /// The run's cast context (cache, registrations, counters).
+    pub fn cast_context(&self) -> &Arc<CastContext> {
+        &self.shared.casts
+    }
+
+    /// Registers (or overrides) the autocast policy of an op name for this run; call user
+    /// functions through [`crate::ops::call`] under that name.
+    pub fn register_op(&self, name: &str, policy: CastPolicy) {
+        self.shared.casts.register(name, policy);
+    }
+
+    /// How many ops ran in half during the last completed `scale_loss` block (O1).
+    pub fn autocast_ops(&self) -> usize {
+        self.shared.casts.last_step_half_ops()
     }
 
     /// The run's generator called `name` (created, seeded from the run's seed and the name, on
@@ -375,7 +415,8 @@ impl Amp {
     /// handle; their parameter names must not clash (use `vb.pp("gen")` etc.).
     pub fn model<M>(&self, build: impl FnOnce(VarBuilder<'static>) -> candle_core::Result<M>) -> Result<AmpModel<M>> {
         let inner = build(self.var_builder())?;
-        Ok(AmpModel::new(inner, &self.shared.props))
+        let policy = self.shared.props.patch_functions.then(|| self.autocast_policy());
+        Ok(AmpModel::new(inner, &self.shared.props, policy))
     }
 
     /// An optimizer over every trainable parameter of the store (also ones built later).

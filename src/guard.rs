@@ -169,9 +169,13 @@ impl<'a> ScaleLoss<'a> {
         }
         nonfinite.sort();
         nonfinite.dedup();
+        let loss_id = self.loss_id;
+        let amp = self.amp;
         for (opt, g) in self.optimizers.into_iter().zip(per_opt) {
-            stage_accumulate(opt, self.loss_id, g, found_inf, nonfinite.clone())?;
+            stage_accumulate(opt, loss_id, g, found_inf, nonfinite.clone())?;
         }
+        // The block is over: its casts are dropped (weights change at the step).
+        amp.shared.casts.end_step(amp.properties().patch_functions);
         Ok(BackwardReport {
             found_inf,
             nonfinite,

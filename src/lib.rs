@@ -35,12 +35,15 @@
 #![warn(missing_docs)]
 
 pub mod amp;
+pub mod autocast;
 pub mod checkpoint;
 pub mod error;
+pub mod grad_scaler;
 pub mod guard;
 pub mod loss_scale;
 pub mod model;
 pub mod nn;
+pub mod ops;
 pub mod opt_level;
 pub mod optim;
 pub mod rng;
@@ -49,6 +52,7 @@ pub mod store;
 
 pub use amp::{Amp, AmpState, GradReducer, LoadMode, LoadReport, STATE_FORMAT_VERSION, initialize, initialize_on};
 pub use error::{AmpError, CheckpointErrorKind, Result};
+pub use grad_scaler::{GradScaler, GradScalerState};
 pub use guard::{BackwardReport, ScaleLoss};
 pub use loss_scale::LossScale;
 pub use model::AmpModel;

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use candle_core::{DType, Tensor};
 use candle_nn::ModuleT;
 
+use crate::autocast::AutocastPolicy;
 use crate::opt_level::Properties;
 
 /// A model built by [`crate::initialize`] or [`crate::Amp::model`].
@@ -12,7 +13,8 @@ use crate::opt_level::Properties;
 /// [`forward`](Self::forward) casts floating inputs to the model type (integer inputs such as
 /// token ids are never cast), runs the model in training or evaluation mode (see
 /// [`train`](Self::train)/[`eval`](Self::eval); training by default, as in PyTorch), and
-/// casts floating outputs to `cast_model_outputs`, or to f32 when the model is cast.
+/// casts floating outputs to `cast_model_outputs`, or to f32 when the model is cast. At O1
+/// the run's autocast policy is entered around the model's forward.
 ///
 /// It implements `ModuleT`; candle's blanket `impl<M: Module> ModuleT for M` means it cannot
 /// also implement `Module`, hence the inherent `forward`. A model whose forward takes other
@@ -24,16 +26,24 @@ pub struct AmpModel<M> {
     input_dtype: Option<DType>,
     output_dtype: Option<DType>,
     training: AtomicBool,
+    autocast: Option<AutocastPolicy>,
 }
 
 impl<M> AmpModel<M> {
-    pub(crate) fn new(inner: M, props: &Properties) -> Self {
+    pub(crate) fn new(inner: M, props: &Properties, autocast: Option<AutocastPolicy>) -> Self {
         Self {
             inner,
             input_dtype: props.cast_model_type,
             output_dtype: props.output_dtype(),
             training: AtomicBool::new(true),
+            autocast,
         }
+    }
+
+    /// Enters the run's autocast policy (O1) on this thread until the guard drops; `None`
+    /// at levels that do not autocast.
+    pub fn autocast(&self) -> Option<crate::autocast::AutocastGuard> {
+        self.autocast.as_ref().map(|p| p.enter())
     }
 
     /// The wrapped model.
@@ -99,6 +109,7 @@ impl<M: ModuleT> AmpModel<M> {
 impl<M: ModuleT> ModuleT for AmpModel<M> {
     fn forward_t(&self, xs: &Tensor, train: bool) -> candle_core::Result<Tensor> {
         let x = self.cast_input(xs)?;
+        let _scope = self.autocast();
         let y = self.inner.forward_t(&x, train)?;
         self.cast_output(&y)
     }

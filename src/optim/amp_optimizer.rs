@@ -305,6 +305,11 @@ impl AmpOptimizer {
         self.found_inf.values().any(|&b| b)
     }
 
+    /// Parameters whose accumulated gradients are non-finite.
+    pub fn nonfinite_names(&self) -> Vec<String> {
+        self.nonfinite.iter().cloned().collect()
+    }
+
     /// Backward passes accumulated since the last `zero_grad`.
     pub fn micro_batches(&self) -> u32 {
         self.micro_batches
@@ -342,6 +347,42 @@ impl AmpOptimizer {
         self.micro_batches += 1;
         self.stage = Stage::HasGrads;
         self.shared.scalers_mut()[loss_id].enlist(self.id);
+        Ok(())
+    }
+
+    /// The (name, working Var) pairs of the parameters this optimizer trains.
+    pub(crate) fn trained_vars(&self) -> Vec<(String, Var)> {
+        self.owned()
+            .into_iter()
+            .filter(|(_, p)| p.trains())
+            .map(|(_, p)| (p.name, p.working))
+            .collect()
+    }
+
+    /// Replaces the master gradients with unscaled ones computed outside the guard (the
+    /// PyTorch-style [`crate::GradScaler`]).
+    pub(crate) fn set_unscaled(&mut self, grads: Vec<(String, Tensor)>, found_inf: bool, nonfinite: Vec<String>) {
+        self.grads = grads.into_iter().collect();
+        self.found_inf.clear();
+        self.found_inf.insert(usize::MAX, found_inf);
+        self.nonfinite = nonfinite.into_iter().collect();
+        self.micro_batches = 1;
+        self.stage = Stage::HasGrads;
+    }
+
+    /// Applies the master gradients, or records a skip, without any loss-scaler bookkeeping
+    /// (the PyTorch-style [`crate::GradScaler`] owns its scale).
+    pub(crate) fn step_external(&mut self, skip: bool) -> Result<()> {
+        if skip {
+            self.skipped += 1;
+        } else {
+            self.apply()?;
+            self.steps += 1;
+        }
+        self.grads.clear();
+        self.found_inf.clear();
+        self.nonfinite.clear();
+        self.stage = Stage::Clean;
         Ok(())
     }
 
@@ -400,9 +441,12 @@ impl AmpOptimizer {
         let scale = {
             let mut scalers = self.shared.scalers_mut();
             for (&loss_id, &inf) in &self.found_inf {
-                scalers[loss_id].report(self.id, inf, loss_id);
+                // Gradients set by a GradScaler carry no loss id of this handle.
+                if let Some(s) = scalers.get_mut(loss_id) {
+                    s.report(self.id, inf, loss_id);
+                }
             }
-            scalers[first_id].state.scale.scale()
+            scalers.get(first_id).map_or(1.0, |s| s.state.scale.scale())
         };
         if !overflow {
             self.steps += 1;
@@ -485,7 +529,9 @@ impl AmpOptimizer {
         if !self.found_inf.is_empty() && self.stage == Stage::HasGrads {
             let mut scalers = self.shared.scalers_mut();
             for &loss_id in self.found_inf.keys() {
-                scalers[loss_id].withdraw(self.id, loss_id);
+                if let Some(s) = scalers.get_mut(loss_id) {
+                    s.withdraw(self.id, loss_id);
+                }
             }
         }
         self.grads.clear();

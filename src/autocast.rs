@@ -1,0 +1,347 @@
+//! The thread-local autocast policy and the cast lists.
+//!
+//! Rust cannot monkey-patch candle, so O1's per-op casting works through a thread-local
+//! policy that the functions in [`crate::ops`] and the layers in [`crate::nn`] consult. The
+//! policy is the crate's one global; it refers to a [`CastContext`] owned by the run (the
+//! [`crate::Amp`] handle) or by a standalone [`scope`], which holds the cast cache, the user's
+//! registrations and the counters.
+//!
+//! * [`enter`] / [`scope`] open a scope and return a guard that restores the previous policy
+//!   when dropped; scopes nest; [`disable`] opens a disabled scope inside an enabled one;
+//!   [`with`] and [`disabled`] are the closure forms.
+//! * The policy is per thread: a worker thread starts with no policy. To autocast on a
+//!   worker, take [`current`] on the spawning thread and [`enter`] it on the worker (the
+//!   cast cache is shared and thread-safe).
+//! * [`CAST_LISTS`] is the data: each op name with its [`CastPolicy`] (Apex's lists). A run
+//!   can register more names, or override built-in ones ([`CastContext::register`]).
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use candle_core::{DType, Tensor, TensorId};
+
+use crate::store::ParamStore;
+
+/// How an op's floating arguments are cast under autocast.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CastPolicy {
+    /// Run in the half type (matmul, convolutions, linear).
+    Half,
+    /// Run in f32 (pointwise ops that overflow in half, reductions, norms, softmax, losses).
+    Float,
+    /// Mixed half and f32 arguments all run in the widest type.
+    Promote,
+    /// Refused on half input; the message says what to use instead.
+    Banned(&'static str),
+}
+
+const BCE_BANNED: &str = "binary_cross_entropy on half-precision probabilities is unsafe (the sigmoid before it \
+saturates in half); use candle_amp::ops::binary_cross_entropy_with_logits on the logits instead";
+
+/// Apex's cast lists, as data: op name and policy. Ops not listed run in their input's type
+/// (relu, batch norm, embedding, reshapes, ...).
+pub const CAST_LISTS: &[(&str, CastPolicy)] = &[
+    // Half: the ops tensor cores are for.
+    ("matmul", CastPolicy::Half),
+    ("bmm", CastPolicy::Half),
+    ("linear", CastPolicy::Half),
+    ("conv1d", CastPolicy::Half),
+    ("conv2d", CastPolicy::Half),
+    ("conv_transpose1d", CastPolicy::Half),
+    ("conv_transpose2d", CastPolicy::Half),
+    ("prelu", CastPolicy::Half),
+    // Float: overflow-prone pointwise ops, reductions, normalisation, softmax, losses.
+    ("exp", CastPolicy::Float),
+    ("log", CastPolicy::Float),
+    ("pow", CastPolicy::Float),
+    ("reciprocal", CastPolicy::Float),
+    ("rsqrt", CastPolicy::Float),
+    ("sum", CastPolicy::Float),
+    ("mean", CastPolicy::Float),
+    ("var", CastPolicy::Float),
+    ("norm", CastPolicy::Float),
+    ("cumsum", CastPolicy::Float),
+    ("softmax", CastPolicy::Float),
+    ("log_softmax", CastPolicy::Float),
+    ("gelu", CastPolicy::Float),
+    ("layer_norm", CastPolicy::Float),
+    ("group_norm", CastPolicy::Float),
+    ("rms_norm", CastPolicy::Float),
+    ("cross_entropy", CastPolicy::Float),
+    ("nll", CastPolicy::Float),
+    ("mse", CastPolicy::Float),
+    ("l1", CastPolicy::Float),
+    ("smooth_l1", CastPolicy::Float),
+    ("kl_div", CastPolicy::Float),
+    ("binary_cross_entropy_with_logits", CastPolicy::Float),
+    // Promote: mixed arguments run in the widest type.
+    ("add", CastPolicy::Promote),
+    ("sub", CastPolicy::Promote),
+    ("mul", CastPolicy::Promote),
+    ("div", CastPolicy::Promote),
+    ("eq", CastPolicy::Promote),
+    ("ne", CastPolicy::Promote),
+    ("lt", CastPolicy::Promote),
+    ("le", CastPolicy::Promote),
+    ("gt", CastPolicy::Promote),
+    ("ge", CastPolicy::Promote),
+    ("where", CastPolicy::Promote),
+    ("cat", CastPolicy::Promote),
+    ("stack", CastPolicy::Promote),
+    // Banned.
+    ("binary_cross_entropy", CastPolicy::Banned(BCE_BANNED)),
+];
+
+/// The built-in policy of an op name, if it is on a list.
+pub fn builtin_policy(op: &str) -> Option<CastPolicy> {
+    CAST_LISTS.iter().find(|(n, _)| *n == op).map(|(_, p)| *p)
+}
+
+/// Per-run autocast state: the cast cache, registrations and counters. Owned by an
+/// [`crate::Amp`] handle (or a standalone [`scope`]) and shared with the thread-local policy.
+pub struct CastContext {
+    half: DType,
+    store: Option<ParamStore>,
+    verbosity: u8,
+    cache: Mutex<HashMap<(TensorId, DType), (u64, Tensor)>>,
+    registry: RwLock<HashMap<String, CastPolicy>>,
+    half_ops: AtomicUsize,
+    cache_hits: AtomicUsize,
+    last_half_ops: AtomicUsize,
+    warned_no_ops: AtomicBool,
+}
+
+impl std::fmt::Debug for CastContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CastContext")
+            .field("half", &self.half)
+            .field("cached", &self.cache.lock().map(|c| c.len()).unwrap_or(0))
+            .finish()
+    }
+}
+
+impl CastContext {
+    /// A context casting to `half`; `store` supplies the write generation that the cache is
+    /// keyed on (without one, the cache lives as long as the context).
+    pub fn new(half: DType, store: Option<ParamStore>, verbosity: u8) -> Self {
+        Self {
+            half,
+            store,
+            verbosity,
+            cache: Mutex::new(HashMap::new()),
+            registry: RwLock::new(HashMap::new()),
+            half_ops: AtomicUsize::new(0),
+            cache_hits: AtomicUsize::new(0),
+            last_half_ops: AtomicUsize::new(0),
+            warned_no_ops: AtomicBool::new(false),
+        }
+    }
+
+    /// The half type.
+    pub fn half(&self) -> DType {
+        self.half
+    }
+
+    /// Registers (or overrides) an op name's policy for this run: a user function called
+    /// through [`crate::ops::call`] under that name is cast accordingly.
+    pub fn register(&self, op: &str, policy: CastPolicy) {
+        self.registry
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(op.to_string(), policy);
+    }
+
+    /// The policy of an op: the run's registration, else the built-in list.
+    pub fn policy(&self, op: &str) -> Option<CastPolicy> {
+        let r = self.registry.read().unwrap_or_else(|p| p.into_inner());
+        r.get(op).copied().or_else(|| builtin_policy(op))
+    }
+
+    fn generation(&self) -> u64 {
+        self.store.as_ref().map_or(0, |s| s.generation())
+    }
+
+    /// Casts `t` to `to` if it is a floating tensor other than f64 (integer and f64 tensors
+    /// are never cast). Casts of f32 parameters (Vars) to half are cached until the store
+    /// writes a parameter or the cache is cleared.
+    pub fn cast(&self, t: &Tensor, to: DType) -> candle_core::Result<Tensor> {
+        let from = t.dtype();
+        if from == to || !eligible(from) {
+            return Ok(t.clone());
+        }
+        let cacheable = t.is_variable() && from == DType::F32 && to != DType::F32;
+        if cacheable {
+            let generation = self.generation();
+            let mut c = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some((g, cached)) = c.get(&(t.id(), to))
+                && *g == generation
+            {
+                self.cache_hits.fetch_add(1, Ordering::Relaxed);
+                return Ok(cached.clone());
+            }
+            let out = t.to_dtype(to)?;
+            c.insert((t.id(), to), (generation, out.clone()));
+            if self.verbosity >= 2 {
+                log::debug!("autocast: cast parameter {:?} {from:?} -> {to:?} (cached)", t.shape());
+            }
+            return Ok(out);
+        }
+        if self.verbosity >= 2 {
+            log::debug!("autocast: cast {:?} {from:?} -> {to:?}", t.shape());
+        }
+        t.to_dtype(to)
+    }
+
+    /// Drops every cached cast (done when a step's `scale_loss` ends).
+    pub fn clear_cache(&self) {
+        self.cache.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+
+    /// Number of cached casts.
+    pub fn cached(&self) -> usize {
+        self.cache.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// Casts served from the cache so far.
+    pub fn cache_hits(&self) -> usize {
+        self.cache_hits.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn note_half(&self) {
+        self.half_ops.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Ops that ran in half since the last [`end_step`](Self::end_step).
+    pub fn half_ops(&self) -> usize {
+        self.half_ops.load(Ordering::Relaxed)
+    }
+
+    /// Ops that ran in half in the last completed step.
+    pub fn last_step_half_ops(&self) -> usize {
+        self.last_half_ops.load(Ordering::Relaxed)
+    }
+
+    /// Ends a step: records its half-op count, warns once if an autocasting run ran no
+    /// autocast op at all, clears the cache.
+    pub fn end_step(&self, expect_ops: bool) {
+        let n = self.half_ops.swap(0, Ordering::Relaxed);
+        self.last_half_ops.store(n, Ordering::Relaxed);
+        if expect_ops && n == 0 && !self.warned_no_ops.swap(true, Ordering::Relaxed) {
+            log::warn!(
+                "O1 step ran no autocast op: the model computes in f32 as at O0. Build it with candle_amp::nn \
+                 layers and candle_amp::ops instead of candle_nn and raw tensor methods"
+            );
+        }
+        self.clear_cache();
+    }
+}
+
+/// Whether autocast may cast a tensor of this dtype (floating, not f64).
+pub fn eligible(dt: DType) -> bool {
+    matches!(dt, DType::F16 | DType::BF16 | DType::F32)
+}
+
+/// A thread's autocast policy: on or off, and the context it casts through.
+#[derive(Debug, Clone)]
+pub struct AutocastPolicy {
+    /// Whether ops autocast.
+    pub enabled: bool,
+    /// The run's (or scope's) context.
+    pub context: Arc<CastContext>,
+}
+
+impl AutocastPolicy {
+    /// An enabled policy over `context`.
+    pub fn new(context: Arc<CastContext>) -> Self {
+        Self { enabled: true, context }
+    }
+
+    /// Enters this policy on the current thread (e.g. a worker thread).
+    pub fn enter(&self) -> AutocastGuard {
+        enter(self.clone())
+    }
+}
+
+thread_local! {
+    static CURRENT: RefCell<Option<AutocastPolicy>> = const { RefCell::new(None) };
+}
+
+/// Restores the previous policy when dropped. Not `Send`: a scope belongs to its thread.
+#[must_use = "the scope ends when the guard is dropped"]
+#[derive(Debug)]
+pub struct AutocastGuard {
+    prev: Option<AutocastPolicy>,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl Drop for AutocastGuard {
+    fn drop(&mut self) {
+        let prev = self.prev.take();
+        CURRENT.with(|c| *c.borrow_mut() = prev);
+    }
+}
+
+/// Enters `policy` on this thread until the guard drops.
+pub fn enter(policy: AutocastPolicy) -> AutocastGuard {
+    let prev = CURRENT.with(|c| c.borrow_mut().replace(policy));
+    AutocastGuard {
+        prev,
+        _not_send: PhantomData,
+    }
+}
+
+/// A standalone autocast scope casting to `half` (PyTorch's `autocast`), with a cache that
+/// lives as long as the scope.
+pub fn scope(half: DType) -> AutocastGuard {
+    enter(AutocastPolicy::new(Arc::new(CastContext::new(half, None, 0))))
+}
+
+/// PyTorch's default autocast type for a device: bf16 on CPU, f16 on CUDA.
+pub fn default_dtype(device: &candle_core::Device) -> DType {
+    if device.is_cuda() { DType::F16 } else { DType::BF16 }
+}
+
+/// Disables autocast on this thread until the guard drops (inside an enabled scope).
+pub fn disable() -> AutocastGuard {
+    let cur = current();
+    match cur {
+        Some(p) => enter(AutocastPolicy {
+            enabled: false,
+            context: p.context,
+        }),
+        None => AutocastGuard {
+            prev: None,
+            _not_send: PhantomData,
+        },
+    }
+}
+
+/// Runs `f` under `policy`.
+pub fn with<R>(policy: AutocastPolicy, f: impl FnOnce() -> R) -> R {
+    let _g = enter(policy);
+    f()
+}
+
+/// Runs `f` with autocast disabled.
+pub fn disabled<R>(f: impl FnOnce() -> R) -> R {
+    let _g = disable();
+    f()
+}
+
+/// This thread's policy, if a scope is open.
+pub fn current() -> Option<AutocastPolicy> {
+    CURRENT.with(|c| c.borrow().clone())
+}
+
+/// The context of this thread's policy when autocast is enabled.
+pub fn active() -> Option<Arc<CastContext>> {
+    CURRENT.with(|c| c.borrow().as_ref().filter(|p| p.enabled).map(|p| p.context.clone()))
+}
+
+/// Whether autocast is enabled on this thread.
+pub fn is_enabled() -> bool {
+    active().is_some()
+}

@@ -1,0 +1,271 @@
+//! The PyTorch-style API: a [`GradScaler`] with `scale`, `unscale`, `step` and `update`.
+//!
+//! Over the same core as [`crate::Amp::scale_loss`], for users coming from
+//! `torch.cuda.amp`. candle returns gradients from `backward()` instead of storing them on
+//! parameters, so `unscale` and `step` take the `GradStore` that backward returned:
+//!
+//! ```text
+//! PyTorch                               candle-amp
+//! scaler.scale(loss).backward()         let grads = scaler.scale(&loss)?.backward()?;
+//! scaler.unscale_(opt)                  scaler.unscale(&mut opt, &grads)?;
+//! scaler.step(opt)                      scaler.step(&mut opt, &grads)?;
+//! scaler.update()                       scaler.update(None)?;
+//! ```
+
+use std::collections::HashMap;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{AmpError, Result};
+use crate::guard::stage_unscale;
+use crate::loss_scale::{DynamicLossScale, LossScale};
+use crate::optim::{AmpOptimizer, StepOutcome};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    Unscaled,
+    Stepped,
+}
+
+/// PyTorch's `GradScaler` state dict.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GradScalerState {
+    /// The scale.
+    pub scale: f32,
+    /// Growth factor.
+    pub growth_factor: f32,
+    /// Backoff factor.
+    pub backoff_factor: f32,
+    /// Growth interval.
+    pub growth_interval: u32,
+    /// Clean steps since the last growth or overflow (`_growth_tracker`).
+    pub growth_tracker: u32,
+}
+
+/// A gradient scaler with PyTorch's defaults and rules: initial scale 2^16, growth 2,
+/// backoff 0.5, interval 2000, no floor and no ceiling (so its trajectory is PyTorch's).
+///
+/// Per optimizer and iteration: `unscale` at most once and before `step`; `step` at most
+/// once (it unscales first if needed, and skips silently, returning
+/// [`StepOutcome::Skipped`], when a gradient is inf or NaN); then one `update` for all
+/// optimizers, which adjusts the scale from every recorded check and resets the stages.
+/// Breaking these rules is an [`AmpError::CallOrder`].
+///
+/// ```
+/// use candle_amp::{self as amp, GradScaler};
+/// # fn main() -> anyhow::Result<()> {
+/// let (model, mut opt, _amp) = amp::initialize(
+///     |vb| amp::nn::linear(4, 1, vb.pp("fc")),
+///     amp::optim::Sgd::new(amp::optim::SgdConfig::new(0.1))?,
+///     amp::OptLevel::O1,
+/// )?;
+/// let mut scaler = GradScaler::with_params(1024.0, 2.0, 0.5, 2000, true)?;
+/// let x = candle_core::Tensor::ones((2, 4), candle_core::DType::F32, &candle_core::Device::Cpu)?;
+/// let loss = amp::ops::mse(&model.forward(&x)?, &x.narrow(1, 0, 1)?)?;
+/// let grads = scaler.scale(&loss)?.backward()?;
+/// assert!(!scaler.step(&mut opt, &grads)?.is_skipped());
+/// scaler.update(None)?;
+/// assert_eq!(scaler.get_scale(), 1024.0);
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct GradScaler {
+    enabled: bool,
+    scale: LossScale,
+    stages: HashMap<usize, (Stage, bool)>,
+}
+
+impl Default for GradScaler {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl GradScaler {
+    /// PyTorch's defaults.
+    pub fn new() -> Self {
+        Self::with_params(65536.0, 2.0, 0.5, 2000, true).expect("the defaults are valid")
+    }
+
+    /// PyTorch's constructor: growth must be > 1 and backoff < 1.
+    pub fn with_params(
+        init_scale: f32,
+        growth_factor: f32,
+        backoff_factor: f32,
+        growth_interval: u32,
+        enabled: bool,
+    ) -> Result<Self> {
+        let bad = |p: &'static str, r: &str| AmpError::InvalidOverride {
+            property: p,
+            level: "GradScaler".into(),
+            reason: r.into(),
+        };
+        if growth_factor.is_nan() || growth_factor <= 1.0 {
+            return Err(bad("growth_factor", "must be > 1"));
+        }
+        if backoff_factor.is_nan() || backoff_factor >= 1.0 || backoff_factor <= 0.0 {
+            return Err(bad("backoff_factor", "must be in (0, 1)"));
+        }
+        if growth_interval == 0 {
+            return Err(bad("growth_interval", "must be at least 1"));
+        }
+        if !(init_scale.is_finite() && init_scale > 0.0) {
+            return Err(bad("init_scale", "must be finite and > 0"));
+        }
+        Ok(Self {
+            enabled,
+            scale: LossScale::Dynamic(DynamicLossScale {
+                scale: init_scale,
+                growth_tracker: 0,
+                growth_interval,
+                growth_factor,
+                backoff_factor,
+                min_scale: 0.0,
+                max_scale: f32::INFINITY,
+                hysteresis: 1,
+                hysteresis_left: 1,
+                consecutive_hysteresis: false,
+            }),
+            stages: HashMap::new(),
+        })
+    }
+
+    /// Whether scaling is enabled.
+    pub fn is_enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// The current scale (1.0 when disabled, as PyTorch).
+    pub fn get_scale(&self) -> f32 {
+        if self.enabled { self.scale.scale() } else { 1.0 }
+    }
+
+    /// The loss, in f32, times the scale (the loss itself when disabled).
+    pub fn scale(&self, loss: &Tensor) -> Result<Tensor> {
+        if !self.enabled {
+            return Ok(loss.clone());
+        }
+        Ok(loss.to_dtype(DType::F32)?.affine(self.scale.scale() as f64, 0.0)?)
+    }
+
+    /// Unscales `grads` into the optimizer's f32 master gradients and records whether any is
+    /// inf or NaN. At most once per optimizer between updates, and not after its `step`.
+    pub fn unscale(&mut self, opt: &mut AmpOptimizer, grads: &GradStore) -> Result<()> {
+        if !self.enabled {
+            let params = opt.trained_vars();
+            let u = stage_unscale(grads, &params, 1.0, false)?;
+            opt.set_unscaled(u.grads, false, Vec::new());
+            return Ok(());
+        }
+        match self.stages.get(&opt.id()) {
+            Some((Stage::Unscaled, _)) => {
+                return Err(AmpError::CallOrder(
+                    "unscale() has already been called on this optimizer since the last update()".into(),
+                ));
+            }
+            Some((Stage::Stepped, _)) => {
+                return Err(AmpError::CallOrder("unscale() is being called after step()".into()));
+            }
+            None => {}
+        }
+        let params = opt.trained_vars();
+        let u = stage_unscale(grads, &params, self.scale.unscale_factor(), true)?;
+        opt.set_unscaled(u.grads, u.found_inf, u.nonfinite);
+        self.stages.insert(opt.id(), (Stage::Unscaled, u.found_inf));
+        Ok(())
+    }
+
+    /// Steps the optimizer unless a gradient was inf or NaN (then skips silently and says
+    /// so in the outcome). Unscales first if `unscale` was not called.
+    pub fn step(&mut self, opt: &mut AmpOptimizer, grads: &GradStore) -> Result<StepOutcome> {
+        if !self.enabled {
+            self.unscale(opt, grads)?;
+            opt.step_external(false)?;
+            return Ok(StepOutcome::Stepped { loss_scale: 1.0 });
+        }
+        if let Some((Stage::Stepped, _)) = self.stages.get(&opt.id()) {
+            return Err(AmpError::CallOrder(
+                "step() has already been called since the last update()".into(),
+            ));
+        }
+        if !self.stages.contains_key(&opt.id()) {
+            self.unscale(opt, grads)?;
+        }
+        let found_inf = self.stages.get(&opt.id()).is_some_and(|s| s.1);
+        let nonfinite: Vec<String> = if found_inf { opt.nonfinite_names() } else { Vec::new() };
+        opt.step_external(found_inf)?;
+        self.stages.insert(opt.id(), (Stage::Stepped, found_inf));
+        let loss_scale = self.scale.scale();
+        Ok(if found_inf {
+            StepOutcome::Skipped { loss_scale, nonfinite }
+        } else {
+            StepOutcome::Stepped { loss_scale }
+        })
+    }
+
+    /// Updates the scale once per iteration: to `new_scale` if given (the growth tracker is
+    /// untouched), else backs off if any recorded check found inf and counts a clean step
+    /// otherwise. Resets every optimizer's stage. With no recorded check (and no
+    /// `new_scale`) it is an error.
+    pub fn update(&mut self, new_scale: Option<f32>) -> Result<()> {
+        if !self.enabled {
+            return Ok(());
+        }
+        match new_scale {
+            Some(s) => {
+                if let LossScale::Dynamic(d) = &mut self.scale {
+                    d.scale = s;
+                }
+            }
+            None => {
+                if self.stages.is_empty() {
+                    return Err(AmpError::CallOrder(
+                        "No inf checks were recorded prior to update()".into(),
+                    ));
+                }
+                let inf = self.stages.values().any(|s| s.1);
+                self.scale.adjust(!inf);
+            }
+        }
+        self.stages.clear();
+        Ok(())
+    }
+
+    /// PyTorch's state dict (`None` when disabled, where PyTorch returns `{}`).
+    pub fn state_dict(&self) -> Option<GradScalerState> {
+        let LossScale::Dynamic(d) = &self.scale else {
+            return None;
+        };
+        self.enabled.then_some(GradScalerState {
+            scale: d.scale,
+            growth_factor: d.growth_factor,
+            backoff_factor: d.backoff_factor,
+            growth_interval: d.growth_interval,
+            growth_tracker: d.growth_tracker,
+        })
+    }
+
+    /// Loads a state dict (PyTorch raises on an empty one; here that is `None`).
+    pub fn load_state_dict(&mut self, state: Option<&GradScalerState>) -> Result<()> {
+        let Some(s) = state else {
+            return Err(AmpError::OptimizerState(
+                "the state dict is empty (saved from a disabled GradScaler); there is nothing to load".into(),
+            ));
+        };
+        let mut fresh = Self::with_params(
+            s.scale.max(f32::MIN_POSITIVE),
+            s.growth_factor,
+            s.backoff_factor,
+            s.growth_interval,
+            self.enabled,
+        )?;
+        if let LossScale::Dynamic(d) = &mut fresh.scale {
+            d.scale = s.scale;
+            d.growth_tracker = s.growth_tracker;
+        }
+        *self = fresh;
+        Ok(())
+    }
+}

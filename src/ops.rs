@@ -1,0 +1,535 @@
+//! Tensor operations that consult the autocast policy ([`crate::autocast`]).
+//!
+//! Under an enabled policy each function casts its floating arguments as its op name's
+//! [`CastPolicy`](crate::autocast::CastPolicy) says (Apex's lists, [`crate::autocast::CAST_LISTS`]);
+//! integer and f64 tensors are never cast; ops on no list run in their input's type.
+//! Without a policy they behave like the candle op, except that reductions, normalisation
+//! and softmax always accumulate in f32 (and return their input's type) and losses always
+//! return f32.
+//!
+//! Raw tensor methods (`a.matmul(&b)`, `+`, `exp()`) cannot be intercepted: a model moves to
+//! O1 by writing its maths with these functions and its layers with [`crate::nn`].
+
+use candle_core::{D, DType, Device, Result, Tensor};
+
+use crate::autocast::{self, CastPolicy, eligible};
+
+fn widest(xs: &[&Tensor]) -> Option<DType> {
+    let floats: Vec<DType> = xs.iter().map(|t| t.dtype()).filter(|d| eligible(*d)).collect();
+    let first = *floats.first()?;
+    if floats.iter().all(|d| *d == first) {
+        return Some(first);
+    }
+    Some(DType::F32)
+}
+
+/// Casts `xs` for op `op` under the current policy; returns the tensors and whether an
+/// enabled policy applied a Float policy (so outputs stay f32).
+fn prepare(op: &str, xs: &[&Tensor]) -> Result<(Vec<Tensor>, bool)> {
+    let Some(ctx) = autocast::active() else {
+        return Ok((xs.iter().map(|t| (*t).clone()).collect(), false));
+    };
+    match ctx.policy(op) {
+        None => Ok((xs.iter().map(|t| (*t).clone()).collect(), false)),
+        Some(CastPolicy::Half) => {
+            ctx.note_half();
+            Ok((
+                xs.iter().map(|t| ctx.cast(t, ctx.half())).collect::<Result<_>>()?,
+                false,
+            ))
+        }
+        Some(CastPolicy::Float) => Ok((xs.iter().map(|t| ctx.cast(t, DType::F32)).collect::<Result<_>>()?, true)),
+        Some(CastPolicy::Promote) => {
+            let to = widest(xs);
+            let out = xs
+                .iter()
+                .map(|t| match to {
+                    Some(to) => ctx.cast(t, to),
+                    None => Ok((*t).clone()),
+                })
+                .collect::<Result<_>>()?;
+            Ok((out, false))
+        }
+        Some(CastPolicy::Banned(msg)) => {
+            if xs.iter().any(|t| matches!(t.dtype(), DType::F16 | DType::BF16)) {
+                return Err(candle_core::Error::Msg(format!("autocast refused `{op}`: {msg}")));
+            }
+            Ok((xs.iter().map(|t| ctx.cast(t, DType::F32)).collect::<Result<_>>()?, true))
+        }
+    }
+}
+
+/// Runs a user function under the policy registered for `name` (see
+/// [`crate::autocast::CastContext::register`]); unregistered names run unchanged.
+pub fn call(name: &str, xs: &[&Tensor], f: impl FnOnce(&[Tensor]) -> Result<Tensor>) -> Result<Tensor> {
+    let (xs, _) = prepare(name, xs)?;
+    f(&xs)
+}
+
+fn to_f32(t: &Tensor) -> Result<Tensor> {
+    if eligible(t.dtype()) {
+        t.to_dtype(DType::F32)
+    } else {
+        Ok(t.clone())
+    }
+}
+
+/// A Float-list op: computes `f` in f32; the result is f32 under autocast, else `orig`'s type.
+fn float_op(op: &str, x: &Tensor, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    let orig = x.dtype();
+    let (xs, on) = prepare(op, &[x])?;
+    let y = f(&to_f32(&xs[0])?)?;
+    if on || !eligible(orig) { Ok(y) } else { y.to_dtype(orig) }
+}
+
+/// A Float-list pointwise op: in f32 under autocast, in the input's type otherwise.
+fn pointwise_op(op: &str, x: &Tensor, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    let (xs, _) = prepare(op, &[x])?;
+    f(&xs[0])
+}
+
+fn promote2(op: &str, a: &Tensor, b: &Tensor, f: impl FnOnce(&Tensor, &Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    let (xs, _) = prepare(op, &[a, b])?;
+    f(&xs[0], &xs[1])
+}
+
+// ---------------------------------------------------------------- half list
+
+/// Matrix product (batched and broadcast like `Tensor::broadcast_matmul`), in half.
+pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let (xs, _) = prepare("matmul", &[a, b])?;
+    if xs[0].rank() == xs[1].rank() {
+        xs[0].matmul(&xs[1])
+    } else {
+        xs[0].broadcast_matmul(&xs[1])
+    }
+}
+
+/// Batched matrix product (`(b, n, k) x (b, k, m)`), in half.
+pub fn bmm(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let (xs, _) = prepare("bmm", &[a, b])?;
+    xs[0].matmul(&xs[1])
+}
+
+/// `x w^T + b` for `x` of rank 2, 3 or 4 (as candle-nn's `Linear`), in half.
+pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let mut args = vec![x, w];
+    if let Some(b) = b {
+        args.push(b);
+    }
+    let (xs, _) = prepare("linear", &args)?;
+    let (x, w) = (&xs[0], &xs[1]);
+    let wt = match *x.dims() {
+        [b1, b2, _, _] => w.broadcast_left((b1, b2))?.t()?,
+        [bsize, _, _] => w.broadcast_left(bsize)?.t()?,
+        _ => w.t()?,
+    };
+    let y = x.matmul(&wt)?;
+    match xs.get(2) {
+        Some(b) => y.broadcast_add(b),
+        None => Ok(y),
+    }
+}
+
+/// candle's CPU backend has no bf16 convolution (its conv2d calls an f32/f16-only gemm):
+/// run it in f32 and round the result to bf16. Casts are differentiable, so gradients flow.
+fn conv_in_supported_dtype(
+    x: &Tensor,
+    w: &Tensor,
+    f: impl FnOnce(&Tensor, &Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    if x.dtype() == DType::BF16 && matches!(x.device(), Device::Cpu) {
+        f(&x.to_dtype(DType::F32)?, &w.to_dtype(DType::F32)?)?.to_dtype(DType::BF16)
+    } else {
+        f(x, w)
+    }
+}
+
+fn add_channel_bias(y: Tensor, b: Option<&Tensor>, rank: usize) -> Result<Tensor> {
+    match b {
+        None => Ok(y),
+        Some(b) => {
+            let mut shape = vec![1usize; rank];
+            shape[1] = b.dims1()?;
+            y.broadcast_add(&b.reshape(shape)?)
+        }
+    }
+}
+
+fn with_bias<'a>(x: &'a Tensor, w: &'a Tensor, b: Option<&'a Tensor>) -> Vec<&'a Tensor> {
+    let mut v = vec![x, w];
+    if let Some(b) = b {
+        v.push(b);
+    }
+    v
+}
+
+/// 1-d convolution, in half.
+pub fn conv1d(x: &Tensor, w: &Tensor, b: Option<&Tensor>, cfg: candle_nn::Conv1dConfig) -> Result<Tensor> {
+    let (xs, _) = prepare("conv1d", &with_bias(x, w, b))?;
+    let y = conv_in_supported_dtype(&xs[0], &xs[1], |x, w| {
+        x.conv1d(w, cfg.padding, cfg.stride, cfg.dilation, cfg.groups)
+    })?;
+    add_channel_bias(y, xs.get(2), 3)
+}
+
+/// 2-d convolution, in half (bf16 on CPU computes in f32, see the module notes).
+pub fn conv2d(x: &Tensor, w: &Tensor, b: Option<&Tensor>, cfg: candle_nn::Conv2dConfig) -> Result<Tensor> {
+    let (xs, _) = prepare("conv2d", &with_bias(x, w, b))?;
+    let y = conv_in_supported_dtype(&xs[0], &xs[1], |x, w| {
+        x.conv2d(w, cfg.padding, cfg.stride, cfg.dilation, cfg.groups)
+    })?;
+    add_channel_bias(y, xs.get(2), 4)
+}
+
+/// 1-d transposed convolution, in half.
+pub fn conv_transpose1d(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    cfg: candle_nn::ConvTranspose1dConfig,
+) -> Result<Tensor> {
+    let (xs, _) = prepare("conv_transpose1d", &with_bias(x, w, b))?;
+    let y = conv_in_supported_dtype(&xs[0], &xs[1], |x, w| {
+        x.conv_transpose1d(w, cfg.padding, cfg.output_padding, cfg.stride, cfg.dilation, cfg.groups)
+    })?;
+    add_channel_bias(y, xs.get(2), 3)
+}
+
+/// 2-d transposed convolution, in half.
+pub fn conv_transpose2d(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    cfg: candle_nn::ConvTranspose2dConfig,
+) -> Result<Tensor> {
+    let (xs, _) = prepare("conv_transpose2d", &with_bias(x, w, b))?;
+    let y = conv_in_supported_dtype(&xs[0], &xs[1], |x, w| {
+        x.conv_transpose2d(w, cfg.padding, cfg.output_padding, cfg.stride, cfg.dilation)
+    })?;
+    add_channel_bias(y, xs.get(2), 4)
+}
+
+/// PReLU with one slope per channel (dimension 1) or a single slope, in half.
+pub fn prelu(x: &Tensor, alpha: &Tensor) -> Result<Tensor> {
+    let (xs, _) = prepare("prelu", &[x, alpha])?;
+    let (x, a) = (&xs[0], &xs[1]);
+    let a = if a.elem_count() == 1 || x.rank() < 2 {
+        a.clone()
+    } else {
+        let mut shape = vec![1usize; x.rank()];
+        shape[1] = a.elem_count();
+        a.reshape(shape)?
+    };
+    let neg = x.minimum(0.0)?.broadcast_mul(&a)?;
+    x.relu()? + neg
+}
+
+// ---------------------------------------------------------------- float list
+
+/// `exp`, in f32 under autocast.
+pub fn exp(x: &Tensor) -> Result<Tensor> {
+    pointwise_op("exp", x, |x| x.exp())
+}
+
+/// Natural logarithm, in f32 under autocast.
+pub fn log(x: &Tensor) -> Result<Tensor> {
+    pointwise_op("log", x, |x| x.log())
+}
+
+/// `x^e`, in f32 under autocast.
+pub fn pow(x: &Tensor, e: f64) -> Result<Tensor> {
+    pointwise_op("pow", x, |x| x.powf(e))
+}
+
+/// `1/x`, in f32 under autocast.
+pub fn reciprocal(x: &Tensor) -> Result<Tensor> {
+    pointwise_op("reciprocal", x, |x| x.recip())
+}
+
+/// `1/sqrt(x)`, in f32 under autocast.
+pub fn rsqrt(x: &Tensor) -> Result<Tensor> {
+    pointwise_op("rsqrt", x, |x| x.sqrt()?.recip())
+}
+
+/// GELU (erf form), in f32 under autocast.
+pub fn gelu(x: &Tensor) -> Result<Tensor> {
+    pointwise_op("gelu", x, |x| x.gelu_erf())
+}
+
+/// Sum over `dim`, kept; accumulated in f32.
+pub fn sum_keepdim(x: &Tensor, dim: usize) -> Result<Tensor> {
+    float_op("sum", x, |x| x.sum_keepdim(dim))
+}
+
+/// Sum of all elements; accumulated in f32.
+pub fn sum_all(x: &Tensor) -> Result<Tensor> {
+    float_op("sum", x, |x| x.sum_all())
+}
+
+/// Mean over `dim`, kept; accumulated in f32.
+pub fn mean_keepdim(x: &Tensor, dim: usize) -> Result<Tensor> {
+    float_op("mean", x, |x| x.mean_keepdim(dim))
+}
+
+/// Mean of all elements; accumulated in f32.
+pub fn mean_all(x: &Tensor) -> Result<Tensor> {
+    float_op("mean", x, |x| x.mean_all())
+}
+
+/// Unbiased variance over `dim`, kept; accumulated in f32.
+pub fn var_keepdim(x: &Tensor, dim: usize) -> Result<Tensor> {
+    float_op("var", x, |x| x.var_keepdim(dim))
+}
+
+/// The L2 norm of all elements; accumulated in f32.
+pub fn norm(x: &Tensor) -> Result<Tensor> {
+    float_op("norm", x, |x| x.sqr()?.sum_all()?.sqrt())
+}
+
+/// Cumulative sum over `dim`; accumulated in f32.
+pub fn cumsum(x: &Tensor, dim: usize) -> Result<Tensor> {
+    float_op("cumsum", x, |x| x.cumsum(dim))
+}
+
+fn softmax_f32(x: &Tensor, dim: usize) -> Result<Tensor> {
+    let m = x.max_keepdim(dim)?.detach();
+    let e = x.broadcast_sub(&m)?.exp()?;
+    e.broadcast_div(&e.sum_keepdim(dim)?)
+}
+
+fn log_softmax_f32(x: &Tensor, dim: usize) -> Result<Tensor> {
+    let m = x.max_keepdim(dim)?.detach();
+    let shifted = x.broadcast_sub(&m)?;
+    shifted.broadcast_sub(&shifted.exp()?.sum_keepdim(dim)?.log()?)
+}
+
+/// Softmax over `dim`, differentiable, accumulated in f32 (candle's fused
+/// `softmax_last_dim` has no backward).
+pub fn softmax(x: &Tensor, dim: usize) -> Result<Tensor> {
+    float_op("softmax", x, |x| softmax_f32(x, dim))
+}
+
+/// Log-softmax over `dim`, differentiable, in f32.
+pub fn log_softmax(x: &Tensor, dim: usize) -> Result<Tensor> {
+    float_op("log_softmax", x, |x| log_softmax_f32(x, dim))
+}
+
+fn affine_last(y: Tensor, w: Option<&Tensor>, b: Option<&Tensor>) -> Result<Tensor> {
+    let y = match w {
+        Some(w) => y.broadcast_mul(&w.to_dtype(y.dtype())?)?,
+        None => y,
+    };
+    match b {
+        Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?),
+        None => Ok(y),
+    }
+}
+
+/// Layer normalisation over the last dimension, differentiable, statistics in f32 (candle's
+/// fused `layer_norm` has no backward).
+pub fn layer_norm(x: &Tensor, w: Option<&Tensor>, b: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+    let orig = x.dtype();
+    let (xs, on) = prepare("layer_norm", &[x])?;
+    let x32 = to_f32(&xs[0])?;
+    let mean = x32.mean_keepdim(D::Minus1)?;
+    let c = x32.broadcast_sub(&mean)?;
+    let var = c.sqr()?.mean_keepdim(D::Minus1)?;
+    let y = c.broadcast_div(&(var + eps)?.sqrt()?)?;
+    let y = if on || !eligible(orig) { y } else { y.to_dtype(orig)? };
+    affine_last(y, w, b)
+}
+
+/// RMS normalisation over the last dimension, differentiable, statistics in f32.
+pub fn rms_norm(x: &Tensor, w: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+    let orig = x.dtype();
+    let (xs, on) = prepare("rms_norm", &[x])?;
+    let x32 = to_f32(&xs[0])?;
+    let ms = x32.sqr()?.mean_keepdim(D::Minus1)?;
+    let y = x32.broadcast_div(&(ms + eps)?.sqrt()?)?;
+    let y = if on || !eligible(orig) { y } else { y.to_dtype(orig)? };
+    affine_last(y, w, None)
+}
+
+/// Group normalisation of `(N, C, ...)` input into `groups` groups, statistics in f32, with
+/// per-channel affine parameters.
+pub fn group_norm(x: &Tensor, groups: usize, w: Option<&Tensor>, b: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+    let orig = x.dtype();
+    let dims = x.dims().to_vec();
+    if dims.len() < 2 || dims[1] % groups != 0 {
+        candle_core::bail!("group_norm: input {dims:?} must have rank >= 2 and channels divisible by {groups}")
+    }
+    let (xs, on) = prepare("group_norm", &[x])?;
+    let x32 = to_f32(&xs[0])?.reshape((dims[0], groups, ()))?;
+    let mean = x32.mean_keepdim(2)?;
+    let c = x32.broadcast_sub(&mean)?;
+    let var = c.sqr()?.mean_keepdim(2)?;
+    let y = c.broadcast_div(&(var + eps)?.sqrt()?)?.reshape(dims.as_slice())?;
+    let y = if on || !eligible(orig) { y } else { y.to_dtype(orig)? };
+    let mut cshape = vec![1usize; dims.len()];
+    cshape[1] = dims[1];
+    let y = match w {
+        Some(w) => y.broadcast_mul(&w.to_dtype(y.dtype())?.reshape(cshape.as_slice())?)?,
+        None => y,
+    };
+    match b {
+        Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?.reshape(cshape.as_slice())?),
+        None => Ok(y),
+    }
+}
+
+// ---------------------------------------------------------------- losses (always f32)
+
+fn loss_inputs(op: &str, xs: &[&Tensor]) -> Result<Vec<Tensor>> {
+    let (xs, _) = prepare(op, xs)?;
+    xs.iter().map(to_f32).collect()
+}
+
+/// Mean negative log-likelihood of `log_probs` `(N, C)` at integer `targets` `(N,)`.
+pub fn nll(log_probs: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let xs = loss_inputs("nll", &[log_probs])?;
+    let n = targets.dim(0)?;
+    let picked = xs[0].gather(&targets.unsqueeze(1)?, 1)?;
+    (picked.sum_all()? * (-1.0 / n as f64))?.to_dtype(DType::F32)
+}
+
+/// Cross entropy of logits `(..., C)` against integer targets `(...)`, any rank (flattened),
+/// in the stable log-sum-exp form, in f32.
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let xs = loss_inputs("cross_entropy", &[logits])?;
+    let c = xs[0].dim(D::Minus1)?;
+    let flat = xs[0].reshape(((), c))?;
+    let t = targets.flatten_all()?;
+    if t.dim(0)? != flat.dim(0)? {
+        candle_core::bail!(
+            "cross_entropy: {:?} logits need {} targets, got {:?}",
+            logits.shape(),
+            flat.dim(0)?,
+            targets.shape()
+        )
+    }
+    nll(&log_softmax_f32(&flat, 1)?, &t)
+}
+
+/// Mean squared error, in f32.
+pub fn mse(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let xs = loss_inputs("mse", &[a, b])?;
+    xs[0].broadcast_sub(&xs[1])?.sqr()?.mean_all()
+}
+
+/// Mean absolute error, in f32.
+pub fn l1(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let xs = loss_inputs("l1", &[a, b])?;
+    xs[0].broadcast_sub(&xs[1])?.abs()?.mean_all()
+}
+
+/// Smooth L1 (Huber with threshold `beta`, as PyTorch's `smooth_l1_loss`), in f32.
+pub fn smooth_l1(a: &Tensor, b: &Tensor, beta: f64) -> Result<Tensor> {
+    let xs = loss_inputs("smooth_l1", &[a, b])?;
+    let d = xs[0].broadcast_sub(&xs[1])?.abs()?;
+    if beta == 0.0 {
+        return d.mean_all();
+    }
+    let quad = (d.sqr()? * (0.5 / beta))?;
+    let lin = (&d - 0.5 * beta)?;
+    d.lt(beta)?.where_cond(&quad, &lin)?.mean_all()
+}
+
+/// KL divergence `sum target * (log target - input) / N` of log-probabilities `input`
+/// against probabilities `target` (PyTorch's `reduction="batchmean"`), in f32.
+pub fn kl_div(input: &Tensor, target: &Tensor) -> Result<Tensor> {
+    let xs = loss_inputs("kl_div", &[input, target])?;
+    let n = xs[0].dim(0)? as f64;
+    let t = &xs[1];
+    // 0 * log 0 = 0: clamp before the log.
+    let terms = (t * (t.clamp(1e-38f32, f32::MAX)?.log()? - &xs[0])?)?;
+    terms.sum_all()? / n
+}
+
+/// Binary cross entropy on logits, in the stable form
+/// `max(x, 0) - x*y + log(1 + exp(-|x|))`, in f32.
+pub fn binary_cross_entropy_with_logits(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let xs = loss_inputs("binary_cross_entropy_with_logits", &[logits, targets])?;
+    let (x, y) = (&xs[0], &xs[1]);
+    let l = ((x.relu()? - (x * y)?)? + (x.abs()?.neg()?.exp()? + 1.0)?.log()?)?;
+    l.mean_all()
+}
+
+/// Binary cross entropy on probabilities. Under autocast it is banned on half input (use
+/// [`binary_cross_entropy_with_logits`]); in f32 the logs are clamped at -100, as PyTorch does.
+pub fn binary_cross_entropy(probs: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let xs = loss_inputs("binary_cross_entropy", &[probs, targets])?;
+    let (p, y) = (&xs[0], &xs[1]);
+    let lp = p.log()?.clamp(-100f32, f32::MAX)?;
+    let l1p = (1.0 - p)?.log()?.clamp(-100f32, f32::MAX)?;
+    ((y * lp)? + ((1.0 - y)? * l1p)?)?.neg()?.mean_all()
+}
+
+// ---------------------------------------------------------------- promote list
+
+/// `a + b` (broadcasting), mixed types promoted.
+pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    promote2("add", a, b, |a, b| a.broadcast_add(b))
+}
+
+/// `a - b` (broadcasting), mixed types promoted.
+pub fn sub(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    promote2("sub", a, b, |a, b| a.broadcast_sub(b))
+}
+
+/// `a * b` (broadcasting), mixed types promoted.
+pub fn mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    promote2("mul", a, b, |a, b| a.broadcast_mul(b))
+}
+
+/// `a / b` (broadcasting), mixed types promoted.
+pub fn div(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    promote2("div", a, b, |a, b| a.broadcast_div(b))
+}
+
+/// `a == b` (u8 mask), mixed types promoted.
+pub fn eq(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    promote2("eq", a, b, |a, b| a.broadcast_eq(b))
+}
+
+/// `a != b` (u8 mask), mixed types promoted.
+pub fn ne(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    promote2("ne", a, b, |a, b| a.broadcast_ne(b))
+}
+
+/// `a < b` (u8 mask), mixed types promoted.
+pub fn lt(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    promote2("lt", a, b, |a, b| a.broadcast_lt(b))
+}
+
+/// `a <= b` (u8 mask), mixed types promoted.
+pub fn le(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    promote2("le", a, b, |a, b| a.broadcast_le(b))
+}
+
+/// `a > b` (u8 mask), mixed types promoted.
+pub fn gt(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    promote2("gt", a, b, |a, b| a.broadcast_gt(b))
+}
+
+/// `a >= b` (u8 mask), mixed types promoted.
+pub fn ge(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    promote2("ge", a, b, |a, b| a.broadcast_ge(b))
+}
+
+/// `mask ? on_true : on_false`, the two values promoted.
+pub fn where_cond(mask: &Tensor, on_true: &Tensor, on_false: &Tensor) -> Result<Tensor> {
+    promote2("where", on_true, on_false, |t, f| mask.where_cond(t, f))
+}
+
+/// Concatenation along `dim`, mixed types promoted.
+pub fn cat(xs: &[&Tensor], dim: usize) -> Result<Tensor> {
+    let (xs, _) = prepare("cat", xs)?;
+    Tensor::cat(&xs, dim)
+}
+
+/// Stacking along a new `dim`, mixed types promoted.
+pub fn stack(xs: &[&Tensor], dim: usize) -> Result<Tensor> {
+    let (xs, _) = prepare("stack", xs)?;
+    Tensor::stack(&xs, dim)
+}
