@@ -164,11 +164,15 @@ fn with_bias<'a>(x: &'a Tensor, w: &'a Tensor, b: Option<&'a Tensor>) -> Vec<&'a
     v
 }
 
-/// 1-d convolution, in half.
+/// 1-d convolution, in half. Computed as a 2-d convolution over a height of 1: candle
+/// 0.11's own conv1d returns wrong kernel gradients (checked against finite differences in
+/// `tests/layers.rs`).
 pub fn conv1d(x: &Tensor, w: &Tensor, b: Option<&Tensor>, cfg: candle_nn::Conv1dConfig) -> Result<Tensor> {
     let (xs, _) = prepare("conv1d", &with_bias(x, w, b))?;
     let y = conv_in_supported_dtype(&xs[0], &xs[1], |x, w| {
-        x.conv1d(w, cfg.padding, cfg.stride, cfg.dilation, cfg.groups)
+        let x = x.unsqueeze(2)?.pad_with_zeros(3, cfg.padding, cfg.padding)?;
+        x.conv2d(&w.unsqueeze(2)?, 0, cfg.stride, cfg.dilation, cfg.groups)?
+            .squeeze(2)
     })?;
     add_channel_bias(y, xs.get(2), 3)
 }
@@ -356,7 +360,7 @@ pub fn rms_norm(x: &Tensor, w: Option<&Tensor>, eps: f64) -> Result<Tensor> {
 pub fn group_norm(x: &Tensor, groups: usize, w: Option<&Tensor>, b: Option<&Tensor>, eps: f64) -> Result<Tensor> {
     let orig = x.dtype();
     let dims = x.dims().to_vec();
-    if dims.len() < 2 || dims[1] % groups != 0 {
+    if dims.len() < 2 || !dims[1].is_multiple_of(groups) {
         candle_core::bail!("group_norm: input {dims:?} must have rank >= 2 and channels divisible by {groups}")
     }
     let (xs, on) = prepare("group_norm", &[x])?;
@@ -390,7 +394,7 @@ pub fn nll(log_probs: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let xs = loss_inputs("nll", &[log_probs])?;
     let n = targets.dim(0)?;
     let picked = xs[0].gather(&targets.unsqueeze(1)?, 1)?;
-    (picked.sum_all()? * (-1.0 / n as f64))?.to_dtype(DType::F32)
+    picked.sum_all()? * (-1.0 / n as f64)
 }
 
 /// Cross entropy of logits `(..., C)` against integer targets `(...)`, any rank (flattened),

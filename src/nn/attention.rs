@@ -32,12 +32,18 @@ pub fn scaled_dot_product_attention(
         &k.transpose(candle_core::D::Minus2, candle_core::D::Minus1)?
             .contiguous()?,
     )?;
-    let mut scores = (scores.to_dtype(DType::F32)? * scale)?;
+    // f32 for the mask and softmax (f64 stays f64).
+    let sdt = if crate::autocast::eligible(scores.dtype()) {
+        DType::F32
+    } else {
+        scores.dtype()
+    };
+    let mut scores = (scores.to_dtype(sdt)? * scale)?;
     if causal {
-        scores = scores.broadcast_add(&causal_mask(t, q.device())?)?;
+        scores = scores.broadcast_add(&causal_mask(t, q.device())?.to_dtype(sdt)?)?;
     }
     if let Some(m) = mask {
-        scores = scores.broadcast_add(&m.to_dtype(DType::F32)?)?;
+        scores = scores.broadcast_add(&m.to_dtype(sdt)?)?;
     }
     let probs = ops::softmax(&scores, scores.rank() - 1)?;
     let probs = if crate::autocast::is_enabled() {

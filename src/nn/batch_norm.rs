@@ -29,7 +29,13 @@ pub fn batch_norm<C: Into<BatchNormConfig>>(num_features: usize, config: C, vb: 
     if config.eps < 0. {
         candle_core::bail!("batch-norm eps cannot be negative {}", config.eps)
     }
-    let f32_get = |name: &str, init: Init| vb.get_with_hints_dtype(num_features, name, init, DType::F32);
+    // f32 parameters and statistics for half and f32 models (an f64 model stays f64).
+    let pdt = if vb.dtype() == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let f32_get = |name: &str, init: Init| vb.get_with_hints_dtype(num_features, name, init, pdt);
     let running_mean = f32_get("running_mean", Init::Const(0.))?;
     let running_var = f32_get("running_var", Init::Const(1.))?;
     let weight_and_bias = if config.affine {
@@ -80,10 +86,23 @@ impl BatchNorm {
             )
         }
         let shape = Self::stat_shape(x);
-        let x = x.to_dtype(DType::F32)?;
+        let sdt = if crate::autocast::eligible(x.dtype()) {
+            DType::F32
+        } else {
+            x.dtype()
+        };
+        let x = x.to_dtype(sdt)?;
         if !train {
-            let mean = self.running_mean.as_detached_tensor().reshape(shape.as_slice())?;
-            let var = self.running_var.as_detached_tensor().reshape(shape.as_slice())?;
+            let mean = self
+                .running_mean
+                .as_detached_tensor()
+                .to_dtype(sdt)?
+                .reshape(shape.as_slice())?;
+            let var = self
+                .running_var
+                .as_detached_tensor()
+                .to_dtype(sdt)?
+                .reshape(shape.as_slice())?;
             let x = if self.remove_mean { x.broadcast_sub(&mean)? } else { x };
             return x.broadcast_div(&(var + self.eps)?.sqrt()?);
         }
@@ -92,8 +111,9 @@ impl BatchNorm {
         let n = xt.dim(1)? as f64;
         let (centred, mean_b) = if self.remove_mean {
             let mean = xt.mean_keepdim(1)?;
-            let new_mean = ((self.running_mean.as_tensor() * (1.0 - self.momentum))?
-                + (mean.flatten_all()?.detach() * self.momentum)?)?;
+            let rm = self.running_mean.as_tensor();
+            let new_mean = ((rm * (1.0 - self.momentum))?
+                + (mean.flatten_all()?.detach().to_dtype(rm.dtype())? * self.momentum)?)?;
             self.running_mean.set(&new_mean)?;
             (xt.broadcast_sub(&mean)?, Some(mean.reshape(shape.as_slice())?))
         } else {
@@ -101,8 +121,9 @@ impl BatchNorm {
         };
         let var = centred.sqr()?.mean_keepdim(1)?;
         let unbiased = if n > 1.0 { n / (n - 1.0) } else { 1.0 };
-        let new_var = ((self.running_var.as_tensor() * (1.0 - self.momentum))?
-            + (var.flatten_all()?.detach() * (self.momentum * unbiased))?)?;
+        let rv = self.running_var.as_tensor();
+        let new_var = ((rv * (1.0 - self.momentum))?
+            + (var.flatten_all()?.detach().to_dtype(rv.dtype())? * (self.momentum * unbiased))?)?;
         self.running_var.set(&new_var)?;
         let x = match mean_b {
             Some(m) => x.broadcast_sub(&m)?,

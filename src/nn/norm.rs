@@ -83,7 +83,7 @@ impl Module for GroupNorm {
 
 /// Builds a [`GroupNorm`] as `candle_nn::group_norm` does.
 pub fn group_norm(num_groups: usize, num_channels: usize, eps: f64, vb: VarBuilder) -> Result<GroupNorm> {
-    if num_groups == 0 || num_channels % num_groups != 0 {
+    if num_groups == 0 || !num_channels.is_multiple_of(num_groups) {
         candle_core::bail!("group_norm: {num_channels} channels cannot be split into {num_groups} groups")
     }
     Ok(GroupNorm {
