@@ -214,7 +214,7 @@ fn embedding_and_dropout_gradients() {
         g.restore(state.clone());
         weighted(&d.forward_t(&x, true).unwrap(), 5)
     };
-    fd_check("dropout", &[x.clone()], &f);
+    fd_check("dropout", std::slice::from_ref(&x), &f);
     g.restore(state.clone());
     let y = flat(&d.forward_t(&x, true).unwrap());
     let zeros = y.iter().filter(|v| **v == 0.0).count();
@@ -283,7 +283,7 @@ fn every_loss_matches_finite_differences_in_f64() {
     ];
     for (name, f) in cases {
         assert_eq!(f().dtype(), DType::F64, "{name}: f64 is never cast");
-        fd_check(name, &[x.clone()], &|| f());
+        fd_check(name, std::slice::from_ref(&x), &|| f());
     }
     // Half inputs: losses come out f32.
     let h = x.to_dtype(DType::F16).unwrap();
