@@ -119,12 +119,18 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     }
     let (xs, _) = prepare("linear", &args)?;
     let (x, w) = (&xs[0], &xs[1]);
-    let wt = match *x.dims() {
-        [b1, b2, _, _] => w.broadcast_left((b1, b2))?.t()?,
-        [bsize, _, _] => w.broadcast_left(bsize)?.t()?,
-        _ => w.t()?,
+    // Leading dimensions are flattened into one 2-d product: candle's CPU matmul runs one
+    // gemm per batch entry, which is slow for many small matrices.
+    let dims = x.dims().to_vec();
+    let y = if dims.len() > 2 {
+        let rows: usize = dims[..dims.len() - 1].iter().product();
+        let y = x.reshape((rows, dims[dims.len() - 1]))?.matmul(&w.t()?)?;
+        let mut out = dims.clone();
+        *out.last_mut().expect("rank > 2") = w.dim(0)?;
+        y.reshape(out)?
+    } else {
+        x.matmul(&w.t()?)?
     };
-    let y = x.matmul(&wt)?;
     match xs.get(2) {
         Some(b) => y.broadcast_add(b),
         None => Ok(y),

@@ -6,6 +6,7 @@ mod common;
 #[allow(dead_code)]
 mod data;
 #[path = "../examples/train/models.rs"]
+#[allow(dead_code)]
 mod models;
 
 use candle_amp::optim::{AdamW, AdamWConfig};
@@ -14,7 +15,7 @@ use candle_core::{Device, Tensor};
 use candle_nn::{Module, Optimizer as _};
 use common::*;
 use data::Dataset;
-use models::Mlp;
+use models::{Cnn, Mlp};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
@@ -105,7 +106,7 @@ fn o0_matches_a_plain_candle_f32_loop() {
 }
 
 #[test]
-fn o2_accuracy_is_within_one_and_a_half_points_of_o0() {
+fn mlp_o1_and_o2_accuracy_is_within_one_and_a_half_points_of_o0() {
     let (train, test, classes) = prepared();
     let steps = 600;
     let order = batch_order(train.len(), steps, 1);
@@ -124,9 +125,47 @@ fn o2_accuracy_is_within_one_and_a_half_points_of_o0() {
     let a0 = run(AmpConfig::new(OptLevel::O0));
     assert!(a0 > 0.9, "O0 accuracy {a0}");
     for half in [HalfType::F16, HalfType::Bf16] {
-        let a2 = run(AmpConfig::new(OptLevel::O2).half(half));
-        assert!((a2 - a0).abs() <= 0.015, "O2 {half}: {a2} vs O0 {a0}");
+        for level in [OptLevel::O1, OptLevel::O2] {
+            let a = run(AmpConfig::new(level).half(half));
+            assert!((a - a0).abs() <= 0.015, "{level} {half}: {a} vs O0 {a0}");
+        }
     }
+}
+
+#[test]
+fn cnn_o1_and_o2_accuracy_is_within_one_and_a_half_points_of_o0() {
+    let (train, test, classes) = prepared();
+    let steps = 250;
+    let order = batch_order(train.len(), steps, 2);
+    let run = |cfg: AmpConfig| {
+        let (model, mut opt, amp) = amp::initialize(|vb| Cnn::new(vb, 8, classes), adamw(), cfg).unwrap();
+        for idx in &order {
+            let (x, y) = tensors(&train, idx);
+            let loss = amp::ops::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap();
+            amp.scale_loss(&loss, &mut opt).unwrap().backward().unwrap();
+            opt.step().unwrap();
+            opt.zero_grad();
+        }
+        if cfg_is_o1(&amp) {
+            assert!(amp.autocast_ops() >= 3, "the CNN autocasts at O1");
+        }
+        model.eval();
+        accuracy(&|x| model.forward(x).unwrap(), &test)
+    };
+    let a0 = run(AmpConfig::new(OptLevel::O0));
+    assert!(a0 > 0.85, "O0 accuracy {a0}");
+    for (level, half) in [
+        (OptLevel::O1, HalfType::F16),
+        (OptLevel::O2, HalfType::F16),
+        (OptLevel::O2, HalfType::Bf16),
+    ] {
+        let a = run(AmpConfig::new(level).half(half));
+        assert!((a - a0).abs() <= 0.015, "{level} {half}: {a} vs O0 {a0}");
+    }
+}
+
+fn cfg_is_o1(amp: &amp::Amp) -> bool {
+    amp.properties().opt_level == OptLevel::O1
 }
 
 #[test]

@@ -1,16 +1,22 @@
-//! Trains a small model on the bundled digits data at each opt level and reports loss,
-//! accuracy, skipped steps, the final loss scale and the median step time.
+//! Trains small models at each opt level and reports loss, accuracy, skipped steps, the
+//! final loss scale and the median step time.
 //!
-//! `cargo run --release --example train -- [--opt-level O2]... [--half f16|bf16]
-//!  [--data FILE.csv] [--steps N] [--seed N] [--json] [--save DIR] [--resume DIR]`
+//! `cargo run --release --example train -- [--model mlp|cnn|transformer]...
+//!  [--opt-level O0|O1|O2|O3]... [--half f16|bf16] [--data FILE.csv] [--steps N] [--seed N]
+//!  [--json] [--save DIR] [--resume DIR] [--report DIR]`
 //!
-//! `--save DIR` writes a checkpoint per run under `DIR/<model>-<level>-<half>/` at the end;
-//! `--resume DIR` continues each run from there (`--steps` counts from the start of
-//! training), so a run cut in two prints the same JSON as one run straight through, but
-//! for `step_ms`.
+//! * `mlp` and `cnn` classify the bundled UCI digits (8x8 images), `transformer` learns to
+//!   reverse short digit sequences it generates.
+//! * `--save DIR` writes a checkpoint per run under `DIR/<model>-<level>-<half>/` at the end;
+//!   `--resume DIR` continues each run from there (`--steps` counts from the start of
+//!   training), so a run cut in two prints the same JSON as one run straight through, but
+//!   for `step_ms`.
+//! * `--report DIR` draws `DIR/<model>.svg`: training loss per step for each level, and the
+//!   loss scale over the steps with skipped steps marked.
 
 mod data;
 mod models;
+mod report;
 
 use std::time::Instant;
 
@@ -18,16 +24,50 @@ use anyhow::{Context, Result, bail};
 use candle_amp as amp;
 use candle_amp::checkpoint::{Checkpoint, CheckpointDir};
 use candle_core::{DType, Device, Tensor};
+use candle_nn::ModuleT;
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
 
 use data::Dataset;
-use models::Mlp;
+use models::{Cnn, Mlp, Transformer, TransformerConfig};
 
 const HIDDEN: usize = 256;
 const BATCH: usize = 128;
+/// The sequence task: reverse `SEQ` digits written after a separator.
+const SEQ: usize = 8;
+const SEP: u32 = 10;
+const SEQ_BATCH: usize = 32;
+const SEQ_HELD_OUT: usize = 512;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ModelKind {
+    Mlp,
+    Cnn,
+    Transformer,
+}
+
+impl ModelKind {
+    fn name(self) -> &'static str {
+        match self {
+            ModelKind::Mlp => "mlp",
+            ModelKind::Cnn => "cnn",
+            ModelKind::Transformer => "transformer",
+        }
+    }
+
+    fn parse(s: &str) -> Result<Self> {
+        match s {
+            "mlp" => Ok(ModelKind::Mlp),
+            "cnn" => Ok(ModelKind::Cnn),
+            "transformer" => Ok(ModelKind::Transformer),
+            _ => bail!("unknown model {s:?}: use mlp, cnn or transformer"),
+        }
+    }
+}
 
 struct Args {
+    models: Vec<ModelKind>,
     levels: Vec<amp::OptLevel>,
     half: amp::HalfType,
     data: Option<String>,
@@ -36,14 +76,17 @@ struct Args {
     json: bool,
     save: Option<String>,
     resume: Option<String>,
+    report: Option<String>,
 }
 
 fn usage() -> &'static str {
-    "usage: train [--opt-level O0|O1|O2|O3]... [--half f16|bf16] [--data FILE.csv] [--steps N] [--seed N] [--json] [--save DIR] [--resume DIR]"
+    "usage: train [--model mlp|cnn|transformer]... [--opt-level O0|O1|O2|O3]... [--half f16|bf16] \
+     [--data FILE.csv] [--steps N] [--seed N] [--json] [--save DIR] [--resume DIR] [--report DIR]"
 }
 
 fn parse_args() -> Result<Args> {
     let mut a = Args {
+        models: Vec::new(),
         levels: Vec::new(),
         half: amp::HalfType::F16,
         data: None,
@@ -52,11 +95,13 @@ fn parse_args() -> Result<Args> {
         json: false,
         save: None,
         resume: None,
+        report: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || it.next().with_context(|| format!("{flag} needs a value; {}", usage()));
         match flag.as_str() {
+            "--model" => a.models.push(ModelKind::parse(&value()?)?),
             "--opt-level" => a.levels.push(value()?.parse()?),
             "--half" => a.half = value()?.parse()?,
             "--data" => a.data = Some(value()?),
@@ -65,6 +110,7 @@ fn parse_args() -> Result<Args> {
             "--json" => a.json = true,
             "--save" => a.save = Some(value()?),
             "--resume" => a.resume = Some(value()?),
+            "--report" => a.report = Some(value()?),
             "-h" | "--help" => {
                 eprintln!("{}", usage());
                 std::process::exit(0);
@@ -75,15 +121,16 @@ fn parse_args() -> Result<Args> {
     if a.steps == 0 {
         bail!("--steps must be at least 1");
     }
+    if a.models.is_empty() {
+        a.models = vec![ModelKind::Mlp, ModelKind::Cnn, ModelKind::Transformer];
+    }
     if a.levels.is_empty() {
-        // O1's per-op autocasting is not built yet: without it O1 is O0 with a dynamic
-        // scaler, so it runs only when asked for.
-        a.levels = vec![amp::OptLevel::O0, amp::OptLevel::O2, amp::OptLevel::O3];
+        a.levels = amp::OptLevel::ALL.to_vec();
     }
     Ok(a)
 }
 
-/// One row of results.
+/// One run's results and per-step history.
 struct RunResult {
     level: amp::OptLevel,
     param_dtype: DType,
@@ -93,9 +140,55 @@ struct RunResult {
     skipped: u64,
     final_scale: f32,
     step_ms: f64,
+    autocast_ops: usize,
+    progress: Progress,
 }
 
-fn tensors(d: &Dataset, idx: &[usize], dev: &Device) -> Result<(Tensor, Tensor)> {
+/// What the example keeps in a checkpoint beside the library's state.
+#[derive(serde::Serialize, serde::Deserialize, Default, Clone)]
+struct Progress {
+    /// Training loss of every step so far.
+    losses: Vec<f64>,
+    /// Loss scale after every step.
+    scales: Vec<f32>,
+    /// Whether each step was skipped.
+    skipped: Vec<bool>,
+    /// Rows of the current epoch not yet used (digits tasks).
+    order: Vec<usize>,
+}
+
+/// A task: its data and how to batch and score it.
+enum Task {
+    Digits {
+        train: Dataset,
+        test: Dataset,
+        classes: usize,
+    },
+    Reverse {
+        held_out: (Tensor, Tensor),
+    },
+}
+
+/// `n` sequences `[x_0..x_7, SEP, x_7..x_1]` as inputs and their next tokens as targets.
+fn reverse_batch(rng: &mut impl Rng, n: usize) -> Result<(Tensor, Tensor)> {
+    let mut inp = Vec::with_capacity(n * 2 * SEQ);
+    let mut tgt = Vec::with_capacity(n * 2 * SEQ);
+    for _ in 0..n {
+        let x: Vec<u32> = (0..SEQ).map(|_| rng.random_range(0..10)).collect();
+        let mut s = x.clone();
+        s.push(SEP);
+        s.extend(x.iter().rev());
+        inp.extend_from_slice(&s[..2 * SEQ]);
+        tgt.extend_from_slice(&s[1..]);
+    }
+    let dev = Device::Cpu;
+    Ok((
+        Tensor::from_vec(inp, (n, 2 * SEQ), &dev)?,
+        Tensor::from_vec(tgt, (n, 2 * SEQ), &dev)?,
+    ))
+}
+
+fn rows(d: &Dataset, idx: &[usize]) -> Result<(Tensor, Tensor)> {
     let w = d.width;
     let mut x = Vec::with_capacity(idx.len() * w);
     let mut y = Vec::with_capacity(idx.len());
@@ -103,46 +196,97 @@ fn tensors(d: &Dataset, idx: &[usize], dev: &Device) -> Result<(Tensor, Tensor)>
         x.extend_from_slice(&d.x[i * w..(i + 1) * w]);
         y.push(d.y[i]);
     }
+    let dev = Device::Cpu;
     Ok((
-        Tensor::from_vec(x, (idx.len(), w), dev)?,
-        Tensor::from_vec(y, idx.len(), dev)?,
+        Tensor::from_vec(x, (idx.len(), w), &dev)?,
+        Tensor::from_vec(y, idx.len(), &dev)?,
     ))
 }
 
-/// What the example keeps in a checkpoint beside the library's state.
-#[derive(serde::Serialize, serde::Deserialize, Default)]
-struct Progress {
-    /// Training loss of every step so far.
-    losses: Vec<f64>,
-    /// Rows of the current epoch not yet used.
-    order: Vec<usize>,
+/// The model variants the example trains.
+enum Net {
+    Mlp(Mlp),
+    Cnn(Cnn),
+    Transformer(Transformer),
 }
 
-fn run_dir(root: &str, model: &str, level: amp::OptLevel, half: amp::HalfType) -> CheckpointDir {
-    CheckpointDir::new(std::path::Path::new(root).join(format!("{model}-{level}-{half}")), 1)
+impl ModuleT for Net {
+    fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
+        match self {
+            Net::Mlp(m) => candle_nn::Module::forward(m, x),
+            Net::Cnn(m) => m.forward_t(x, train),
+            Net::Transformer(m) => m.forward_t(x, train),
+        }
+    }
 }
 
-fn train_one(train: &Dataset, test: &Dataset, classes: usize, level: amp::OptLevel, a: &Args) -> Result<RunResult> {
-    let dev = Device::Cpu;
+/// The loss and the count of correct predictions (the sequence task scores only the
+/// reversed half).
+fn score(kind: ModelKind, logits: &Tensor, y: &Tensor) -> Result<(Tensor, usize, usize)> {
+    let (logits, y) = match kind {
+        ModelKind::Transformer => (logits.narrow(1, SEQ, SEQ)?, y.narrow(1, SEQ, SEQ)?),
+        _ => (logits.clone(), y.clone()),
+    };
+    let loss = amp::ops::cross_entropy(&logits, &y)?;
+    let last = logits.rank() - 1;
+    let pred = logits.argmax(last)?.flatten_all()?.to_vec1::<u32>()?;
+    let truth = y.flatten_all()?.to_vec1::<u32>()?;
+    let correct = pred.iter().zip(&truth).filter(|(p, t)| p == t).count();
+    Ok((loss, correct, truth.len()))
+}
+
+fn run_dir(root: &str, kind: ModelKind, level: amp::OptLevel, half: amp::HalfType) -> CheckpointDir {
+    CheckpointDir::new(
+        std::path::Path::new(root).join(format!("{}-{level}-{half}", kind.name())),
+        1,
+    )
+}
+
+fn train_one(kind: ModelKind, task: &Task, level: amp::OptLevel, a: &Args) -> Result<RunResult> {
     let config = amp::AmpConfig::new(level).half(a.half).seed(a.seed);
     let adamw = amp::optim::AdamW::new(amp::optim::AdamWConfig {
         lr: 1e-3,
         weight_decay: 0.01,
         ..Default::default()
     })?;
-    let width = train.width;
-    let (model, mut opt, amp) = amp::initialize(|vb| Mlp::new(vb, width, HIDDEN, classes), adamw, config)?;
+    let amp = amp::Amp::new(config, &Device::Cpu)?;
+    let dropout = amp.generator("dropout");
+    let model = amp.model(|vb| {
+        Ok(match (kind, task) {
+            (ModelKind::Mlp, Task::Digits { train, classes, .. }) => {
+                Net::Mlp(Mlp::new(vb, train.width, HIDDEN, *classes)?)
+            }
+            (ModelKind::Cnn, Task::Digits { train, classes, .. }) => {
+                let side = (train.width as f64).sqrt() as usize;
+                Net::Cnn(Cnn::new(vb, side, *classes)?)
+            }
+            _ => {
+                let c = TransformerConfig {
+                    vocab: 11,
+                    context: 2 * SEQ,
+                    d_model: 64,
+                    heads: 4,
+                    layers: 2,
+                    dropout: 0.1,
+                };
+                Net::Transformer(Transformer::new(vb, c, dropout)?)
+            }
+        })
+    })?;
+    let mut opt = amp.optimizer(adamw);
     let param_dtype = amp
         .store()
-        .param("fc1.weight")
-        .context("the model has fc1.weight")?
+        .params()
+        .iter()
+        .find(|p| p.kind == amp::store::ParamKind::Trainable && p.name.ends_with("weight"))
+        .context("the model has weights")?
         .working
         .dtype();
 
     let mut start = 0usize;
     let mut progress = Progress::default();
     if let Some(root) = &a.resume {
-        let dir = run_dir(root, "mlp", level, a.half);
+        let dir = run_dir(root, kind, level, a.half);
         let ck = dir
             .load()
             .with_context(|| format!("resuming {level} from {}", dir.root().display()))?;
@@ -166,45 +310,49 @@ fn train_one(train: &Dataset, test: &Dataset, classes: usize, level: amp::OptLev
     }
 
     let pb = ProgressBar::new(a.steps.saturating_sub(start) as u64);
-    pb.set_style(ProgressStyle::with_template("{prefix:>4} [{bar:30}] {pos}/{len} {msg}")?.progress_chars("=> "));
-    pb.set_prefix(level.to_string());
+    pb.set_style(ProgressStyle::with_template("{prefix:>16} [{bar:30}] {pos}/{len} {msg}")?.progress_chars("=> "));
+    pb.set_prefix(format!("{} {level} {}", kind.name(), a.half));
 
-    // Batches from a seeded permutation of the training rows, reshuffled every epoch. The
-    // generator belongs to the run, so checkpoints carry it.
+    // Batches come from the run's own "data" generator, so checkpoints carry the data order.
     let data_rng = amp.generator("data");
-    let Progress { mut losses, mut order } = progress;
     let mut times = Vec::with_capacity(a.steps);
     for _ in start..a.steps {
-        if order.len() < BATCH.min(train.len()) {
-            let mut perm: Vec<usize> = (0..train.len()).collect();
-            perm.shuffle(&mut *data_rng.lock());
-            order.extend(perm);
-        }
-        let idx: Vec<usize> = order.drain(..BATCH.min(train.len())).collect();
-        let (x, y) = tensors(train, &idx, &dev)?;
+        let (x, y) = match task {
+            Task::Digits { train, .. } => {
+                let n = BATCH.min(train.len());
+                if progress.order.len() < n {
+                    let mut perm: Vec<usize> = (0..train.len()).collect();
+                    perm.shuffle(&mut *data_rng.lock());
+                    progress.order.extend(perm);
+                }
+                let idx: Vec<usize> = progress.order.drain(..n).collect();
+                rows(train, &idx)?
+            }
+            Task::Reverse { .. } => reverse_batch(&mut *data_rng.lock(), SEQ_BATCH)?,
+        };
         let t0 = Instant::now();
         let logits = model.forward(&x)?;
-        let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
+        let (loss, _, _) = score(kind, &logits, &y)?;
         amp.scale_loss(&loss, &mut opt)?.backward()?;
-        opt.step()?;
+        let outcome = opt.step()?;
         opt.zero_grad();
         times.push(t0.elapsed().as_secs_f64() * 1e3);
-        let l = loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
-        losses.push(l);
+        let l = loss.to_scalar::<f32>()? as f64;
+        progress.losses.push(l);
+        progress.scales.push(outcome.loss_scale());
+        progress.skipped.push(outcome.is_skipped());
         pb.set_message(format!("loss {l:.4}"));
         pb.inc(1);
     }
     pb.finish_and_clear();
     if let Some(root) = &a.save {
-        let dir = run_dir(root, "mlp", level, a.half);
-        let mut ck = Checkpoint::capture(&amp, &[&opt], losses.len() as u64)?;
-        ck.extra = serde_json::to_value(Progress {
-            losses: losses.clone(),
-            order,
-        })?;
+        let dir = run_dir(root, kind, level, a.half);
+        let mut ck = Checkpoint::capture(&amp, &[&opt], progress.losses.len() as u64)?;
+        ck.extra = serde_json::to_value(&progress)?;
         dir.save(&ck)?;
     }
 
+    let losses = &progress.losses;
     let tail = (losses.len() / 10).max(1).min(losses.len());
     let final_loss = if tail == 0 {
         f64::NAN
@@ -212,29 +360,34 @@ fn train_one(train: &Dataset, test: &Dataset, classes: usize, level: amp::OptLev
         losses[losses.len() - tail..].iter().sum::<f64>() / tail as f64
     };
     model.eval();
-    let all: Vec<usize> = (0..test.len()).collect();
-    let (x, y) = tensors(test, &all, &dev)?;
+    let (x, y) = match task {
+        Task::Digits { test, .. } => rows(test, &(0..test.len()).collect::<Vec<_>>())?,
+        Task::Reverse { held_out } => held_out.clone(),
+    };
     let logits = model.forward(&x)?;
-    let eval_loss = candle_nn::loss::cross_entropy(&logits, &y)?.to_scalar::<f32>()? as f64;
-    let pred = logits.argmax(1)?.to_vec1::<u32>()?;
-    let correct = pred.iter().zip(&test.y).filter(|(p, t)| p == t).count();
+    let (eval_loss, correct, total) = score(kind, &logits, &y)?;
     times.sort_by(|p, q| p.total_cmp(q));
-    let step_ms = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
     Ok(RunResult {
         level,
         param_dtype,
         final_loss,
-        eval_loss,
-        accuracy: correct as f64 / test.len().max(1) as f64,
+        eval_loss: eval_loss.to_scalar::<f32>()? as f64,
+        accuracy: correct as f64 / total.max(1) as f64,
         skipped: opt.skipped_steps(),
         final_scale: amp.loss_scale(0)?,
-        step_ms,
+        step_ms: times.get(times.len() / 2).copied().unwrap_or(f64::NAN),
+        autocast_ops: amp.autocast_ops(),
+        progress,
     })
 }
 
-fn main() -> Result<()> {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
-    let a = parse_args()?;
+fn make_task(kind: ModelKind, a: &Args) -> Result<Task> {
+    if kind == ModelKind::Transformer {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(a.seed ^ 0x00de_ad00_beef);
+        return Ok(Task::Reverse {
+            held_out: reverse_batch(&mut rng, SEQ_HELD_OUT)?,
+        });
+    }
     let ds = match &a.data {
         Some(p) => data::read_file(p)?,
         None => data::digits()?,
@@ -243,57 +396,94 @@ fn main() -> Result<()> {
     if classes < 2 {
         bail!("the data has {classes} class(es); a classifier needs at least 2");
     }
+    if kind == ModelKind::Cnn {
+        let side = (ds.width as f64).sqrt() as usize;
+        if side * side != ds.width || !side.is_multiple_of(4) {
+            bail!(
+                "the cnn needs square images with a side divisible by 4; the data has {} features",
+                ds.width
+            );
+        }
+    }
     let (train, test) = data::split_standardise(&ds, 0.2, a.seed);
     if test.len() == 0 || train.len() == 0 {
         bail!("the data has {} rows: too few for a 20% held-out split", ds.len());
     }
+    Ok(Task::Digits { train, test, classes })
+}
+
+fn main() -> Result<()> {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    let a = parse_args()?;
     if let Some(root) = &a.resume {
         // Verify every checkpoint before training anything.
-        for &level in &a.levels {
-            let dir = run_dir(root, "mlp", level, a.half);
-            dir.load()
-                .with_context(|| format!("resuming {level} from {}", dir.root().display()))?;
+        for &kind in &a.models {
+            for &level in &a.levels {
+                let dir = run_dir(root, kind, level, a.half);
+                dir.load()
+                    .with_context(|| format!("resuming {} {level} from {}", kind.name(), dir.root().display()))?;
+            }
         }
-    }
-    let mut rows = Vec::new();
-    for &level in &a.levels {
-        let r = train_one(&train, &test, classes, level, &a)?;
-        if a.json {
-            let line = serde_json::json!({
-                "model": "mlp",
-                "opt_level": r.level.to_string(),
-                "half": a.half.name(),
-                "param_dtype": r.param_dtype.as_str(),
-                "seed": a.seed,
-                "steps": a.steps,
-                "final_loss": r.final_loss,
-                "eval_loss": r.eval_loss,
-                "accuracy": r.accuracy,
-                "skipped_steps": r.skipped,
-                "final_loss_scale": r.final_scale,
-                "step_ms": r.step_ms,
-            });
-            println!("{line}");
-        }
-        rows.push(r);
     }
     let mut table = format!(
-        "{:<6} {:<5} {:<6} {:>10} {:>10} {:>9} {:>8} {:>12} {:>8}\n",
-        "level", "half", "params", "final_loss", "eval_loss", "accuracy", "skipped", "loss_scale", "step_ms"
+        "{:<12} {:<6} {:<5} {:<6} {:>10} {:>10} {:>9} {:>8} {:>12} {:>8}\n",
+        "model", "level", "half", "params", "final_loss", "eval_loss", "accuracy", "skipped", "loss_scale", "step_ms"
     );
-    for r in &rows {
-        table.push_str(&format!(
-            "{:<6} {:<5} {:<6} {:>10.4} {:>10.4} {:>8.2}% {:>8} {:>12} {:>8.3}\n",
-            r.level.to_string(),
-            a.half.name(),
-            r.param_dtype.as_str(),
-            r.final_loss,
-            r.eval_loss,
-            r.accuracy * 100.0,
-            r.skipped,
-            r.final_scale,
-            r.step_ms
-        ));
+    for &kind in &a.models {
+        let task = make_task(kind, &a)?;
+        let mut runs = Vec::new();
+        for &level in &a.levels {
+            let r = train_one(kind, &task, level, &a)?;
+            if a.json {
+                let mut line = serde_json::json!({
+                    "model": kind.name(),
+                    "opt_level": r.level.to_string(),
+                    "half": a.half.name(),
+                    "param_dtype": r.param_dtype.as_str(),
+                    "seed": a.seed,
+                    "steps": a.steps,
+                    "final_loss": r.final_loss,
+                    "eval_loss": r.eval_loss,
+                    "accuracy": r.accuracy,
+                    "skipped_steps": r.skipped,
+                    "final_loss_scale": r.final_scale,
+                    "step_ms": r.step_ms,
+                });
+                if r.level == amp::OptLevel::O1 {
+                    line["autocast_ops"] = r.autocast_ops.into();
+                }
+                println!("{line}");
+            }
+            table.push_str(&format!(
+                "{:<12} {:<6} {:<5} {:<6} {:>10.4} {:>10.4} {:>8.2}% {:>8} {:>12} {:>8.3}\n",
+                kind.name(),
+                r.level.to_string(),
+                a.half.name(),
+                r.param_dtype.as_str(),
+                r.final_loss,
+                r.eval_loss,
+                r.accuracy * 100.0,
+                r.skipped,
+                r.final_scale,
+                r.step_ms
+            ));
+            runs.push(r);
+        }
+        if let Some(dir) = &a.report {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {dir}"))?;
+            let path = std::path::Path::new(dir).join(format!("{}.svg", kind.name()));
+            let series: Vec<report::Series> = runs
+                .iter()
+                .map(|r| report::Series {
+                    label: r.level.to_string(),
+                    losses: r.progress.losses.clone(),
+                    scales: r.progress.scales.clone(),
+                    skipped: r.progress.skipped.clone(),
+                })
+                .collect();
+            report::draw(&path, &format!("{} ({})", kind.name(), a.half), &series)?;
+            eprintln!("wrote {}", path.display());
+        }
     }
     if a.json {
         eprint!("{table}");

@@ -1,23 +1,27 @@
-//! The example's models.
+//! The example's models, written with `candle_amp::nn` and `candle_amp::ops` so that O1
+//! autocasts them (with `candle_nn` layers O1 would compute in f32, as O0).
 
+use candle_amp::nn as ann;
+use candle_amp::ops;
+use candle_amp::rng::Generator;
 use candle_core::{Result, Tensor};
-use candle_nn::{Linear, Module, VarBuilder, linear};
+use candle_nn::{Module, ModuleT, VarBuilder};
 
 /// An MLP `input -> hidden -> hidden -> classes` with ReLU.
 #[derive(Debug, Clone)]
 pub struct Mlp {
-    fc1: Linear,
-    fc2: Linear,
-    fc3: Linear,
+    fc1: ann::Linear,
+    fc2: ann::Linear,
+    fc3: ann::Linear,
 }
 
 impl Mlp {
     /// Builds the MLP with parameters `fc1.*`, `fc2.*`, `fc3.*`.
     pub fn new(vb: VarBuilder, input: usize, hidden: usize, classes: usize) -> Result<Self> {
         Ok(Self {
-            fc1: linear(input, hidden, vb.pp("fc1"))?,
-            fc2: linear(hidden, hidden, vb.pp("fc2"))?,
-            fc3: linear(hidden, classes, vb.pp("fc3"))?,
+            fc1: ann::linear(input, hidden, vb.pp("fc1"))?,
+            fc2: ann::linear(hidden, hidden, vb.pp("fc2"))?,
+            fc3: ann::linear(hidden, classes, vb.pp("fc3"))?,
         })
     }
 }
@@ -27,5 +31,160 @@ impl Module for Mlp {
         let h = self.fc1.forward(x)?.relu()?;
         let h = self.fc2.forward(&h)?.relu()?;
         self.fc3.forward(&h)
+    }
+}
+
+/// A small CNN with batch norm for `side x side` single-channel images (the digits are 8x8):
+/// two conv-bn-relu-maxpool blocks and a linear classifier.
+#[derive(Debug, Clone)]
+pub struct Cnn {
+    c1: ann::Conv2d,
+    b1: ann::BatchNorm,
+    c2: ann::Conv2d,
+    b2: ann::BatchNorm,
+    fc: ann::Linear,
+    side: usize,
+}
+
+impl Cnn {
+    /// Builds the CNN.
+    pub fn new(vb: VarBuilder, side: usize, classes: usize) -> Result<Self> {
+        let cfg = candle_nn::Conv2dConfig {
+            padding: 1,
+            ..Default::default()
+        };
+        Ok(Self {
+            c1: ann::conv2d(1, 16, 3, cfg, vb.pp("c1"))?,
+            b1: ann::batch_norm(16, 1e-5, vb.pp("b1"))?,
+            c2: ann::conv2d(16, 32, 3, cfg, vb.pp("c2"))?,
+            b2: ann::batch_norm(32, 1e-5, vb.pp("b2"))?,
+            fc: ann::linear(32 * (side / 4) * (side / 4), classes, vb.pp("fc"))?,
+            side,
+        })
+    }
+}
+
+impl ModuleT for Cnn {
+    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let b = x.dim(0)?;
+        let x = x.reshape((b, 1, self.side, self.side))?;
+        let h = self.b1.forward_t(&self.c1.forward(&x)?, train)?.relu()?.max_pool2d(2)?;
+        let h = self.b2.forward_t(&self.c2.forward(&h)?, train)?.relu()?.max_pool2d(2)?;
+        self.fc.forward(&h.flatten_from(1)?)
+    }
+}
+
+/// Transformer sizes.
+#[derive(Debug, Clone, Copy)]
+pub struct TransformerConfig {
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Context length.
+    pub context: usize,
+    /// Model width.
+    pub d_model: usize,
+    /// Attention heads.
+    pub heads: usize,
+    /// Blocks.
+    pub layers: usize,
+    /// Dropout probability.
+    pub dropout: f64,
+}
+
+#[derive(Debug, Clone)]
+struct Block {
+    ln1: ann::LayerNorm,
+    q: ann::Linear,
+    k: ann::Linear,
+    v: ann::Linear,
+    o: ann::Linear,
+    ln2: ann::LayerNorm,
+    up: ann::Linear,
+    down: ann::Linear,
+    drop: ann::Dropout,
+    heads: usize,
+}
+
+impl Block {
+    fn new(vb: VarBuilder, c: &TransformerConfig, drop: Generator) -> Result<Self> {
+        let d = c.d_model;
+        Ok(Self {
+            ln1: ann::layer_norm(d, 1e-5, vb.pp("ln1"))?,
+            q: ann::linear(d, d, vb.pp("q"))?,
+            k: ann::linear(d, d, vb.pp("k"))?,
+            v: ann::linear(d, d, vb.pp("v"))?,
+            o: ann::linear(d, d, vb.pp("o"))?,
+            ln2: ann::layer_norm(d, 1e-5, vb.pp("ln2"))?,
+            up: ann::linear(d, 4 * d, vb.pp("up"))?,
+            down: ann::linear(4 * d, d, vb.pp("down"))?,
+            drop: ann::Dropout::new(c.dropout, drop)?,
+            heads: c.heads,
+        })
+    }
+
+    fn split(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, t, d) = x.dims3()?;
+        x.reshape((b, t, self.heads, d / self.heads))?
+            .transpose(1, 2)?
+            .contiguous()
+    }
+
+    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let (b, t, d) = x.dims3()?;
+        let h = self.ln1.forward(x)?;
+        let (q, k, v) = (
+            self.split(&self.q.forward(&h)?)?,
+            self.split(&self.k.forward(&h)?)?,
+            self.split(&self.v.forward(&h)?)?,
+        );
+        let a = ann::scaled_dot_product_attention(&q, &k, &v, None, true, None)?;
+        let a = a.transpose(1, 2)?.reshape((b, t, d))?;
+        let x = ops::add(x, &self.drop.forward_t(&self.o.forward(&a)?, train)?)?;
+        let h = ops::gelu(&self.up.forward(&self.ln2.forward(&x)?)?)?;
+        ops::add(&x, &self.drop.forward_t(&self.down.forward(&h)?, train)?)
+    }
+}
+
+/// A small decoder-only transformer: token and learned position embeddings, pre-norm
+/// blocks of causal multi-head attention and a GELU MLP with dropout, a final layer norm
+/// and a linear head.
+#[derive(Debug, Clone)]
+pub struct Transformer {
+    tok: ann::Embedding,
+    pos: Tensor,
+    blocks: Vec<Block>,
+    ln: ann::LayerNorm,
+    head: ann::Linear,
+}
+
+impl Transformer {
+    /// Builds the transformer; dropout masks come from `drop`.
+    pub fn new(vb: VarBuilder, c: TransformerConfig, drop: Generator) -> Result<Self> {
+        let pos = vb.get_with_hints(
+            (c.context, c.d_model),
+            "pos",
+            candle_nn::Init::Randn { mean: 0.0, stdev: 0.02 },
+        )?;
+        let blocks = (0..c.layers)
+            .map(|i| Block::new(vb.pp(format!("block{i}")), &c, drop.clone()))
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            tok: ann::embedding(c.vocab, c.d_model, vb.pp("tok"))?,
+            pos,
+            blocks,
+            ln: ann::layer_norm(c.d_model, 1e-5, vb.pp("ln"))?,
+            head: ann::linear(c.d_model, c.vocab, vb.pp("head"))?,
+        })
+    }
+}
+
+impl ModuleT for Transformer {
+    fn forward_t(&self, ids: &Tensor, train: bool) -> Result<Tensor> {
+        let t = ids.dim(1)?;
+        let mut x = ops::add(&self.tok.forward(ids)?, &self.pos.narrow(0, 0, t)?)?;
+        for b in &self.blocks {
+            x = b.forward_t(&x, train)?;
+        }
+        self.head.forward(&self.ln.forward(&x)?)
     }
 }
