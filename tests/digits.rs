@@ -110,18 +110,7 @@ fn mlp_o1_and_o2_accuracy_is_within_one_and_a_half_points_of_o0() {
     let (train, test, classes) = prepared();
     let steps = 600;
     let order = batch_order(train.len(), steps, 1);
-    let run = |cfg: AmpConfig| {
-        let (model, mut opt, amp) = amp::initialize(|vb| Mlp::new(vb, 64, 256, classes), adamw(), cfg).unwrap();
-        for idx in &order {
-            let (x, y) = tensors(&train, idx);
-            let loss = candle_nn::loss::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap();
-            amp.scale_loss(&loss, &mut opt).unwrap().backward().unwrap();
-            opt.step().unwrap();
-            opt.zero_grad();
-        }
-        model.eval();
-        accuracy(&|x| model.forward(x).unwrap(), &test)
-    };
+    let run = |cfg: AmpConfig| train_and_score(|vb| Mlp::new(vb, 64, 256, classes), cfg, &train, &test, &order);
     let a0 = run(AmpConfig::new(OptLevel::O0));
     assert!(a0 > 0.9, "O0 accuracy {a0}");
     for half in [HalfType::F16, HalfType::Bf16] {
@@ -137,21 +126,7 @@ fn cnn_o1_and_o2_accuracy_is_within_one_and_a_half_points_of_o0() {
     let (train, test, classes) = prepared();
     let steps = 250;
     let order = batch_order(train.len(), steps, 2);
-    let run = |cfg: AmpConfig| {
-        let (model, mut opt, amp) = amp::initialize(|vb| Cnn::new(vb, 8, classes), adamw(), cfg).unwrap();
-        for idx in &order {
-            let (x, y) = tensors(&train, idx);
-            let loss = amp::ops::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap();
-            amp.scale_loss(&loss, &mut opt).unwrap().backward().unwrap();
-            opt.step().unwrap();
-            opt.zero_grad();
-        }
-        if cfg_is_o1(&amp) {
-            assert!(amp.autocast_ops() >= 3, "the CNN autocasts at O1");
-        }
-        model.eval();
-        accuracy(&|x| model.forward(x).unwrap(), &test)
-    };
+    let run = |cfg: AmpConfig| train_and_score(|vb| Cnn::new(vb, 8, classes), cfg, &train, &test, &order);
     let a0 = run(AmpConfig::new(OptLevel::O0));
     assert!(a0 > 0.85, "O0 accuracy {a0}");
     for (level, half) in [
@@ -164,28 +139,26 @@ fn cnn_o1_and_o2_accuracy_is_within_one_and_a_half_points_of_o0() {
     }
 }
 
-fn cfg_is_o1(amp: &amp::Amp) -> bool {
-    amp.properties().opt_level == OptLevel::O1
-}
-
-#[test]
-fn malformed_data_files_name_the_line() {
-    let e = data::parse_csv("1,2,3\n4,5,6\n7,x,9\n").unwrap_err();
-    assert_eq!(e.line, 3);
-    assert!(
-        e.to_string().contains("line 3") && e.to_string().contains("\"x\""),
-        "{e}"
-    );
-    let e = data::parse_csv("1,2,3\n4,5\n").unwrap_err();
-    assert_eq!(e.line, 2);
-    let e = data::parse_csv("1,2,3\n\n4,5,-1\n").unwrap_err();
-    assert_eq!(e.line, 3, "negative label");
-    let e = data::parse_csv("1,2,3.5\n").unwrap_err();
-    assert!(e.to_string().contains("label"));
-    assert_eq!(data::parse_csv("").unwrap_err().line, 0);
-    // A constant column standardises to zeros, not NaN.
-    let d = data::parse_csv("1,5,0\n2,5,1\n3,5,0\n4,5,1\n5,5,0\n").unwrap();
-    let (tr, te) = data::split_standardise(&d, 0.2, 0);
-    assert!(tr.x.iter().chain(&te.x).all(|v| v.is_finite()));
-    assert!(tr.x.iter().skip(1).step_by(2).all(|v| *v == 0.0));
+/// Trains a model on the given batches and returns its held-out accuracy. At O1 it also
+/// checks that the model autocast.
+fn train_and_score<M: candle_nn::ModuleT>(
+    build: impl FnOnce(candle_nn::VarBuilder<'static>) -> candle_core::Result<M>,
+    cfg: AmpConfig,
+    train: &Dataset,
+    test: &Dataset,
+    order: &[Vec<usize>],
+) -> f64 {
+    let (model, mut opt, amp) = amp::initialize(build, adamw(), cfg).unwrap();
+    for idx in order {
+        let (x, y) = tensors(train, idx);
+        let loss = amp::ops::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap();
+        amp.scale_loss(&loss, &mut opt).unwrap().backward().unwrap();
+        opt.step().unwrap();
+        opt.zero_grad();
+    }
+    if amp.properties().opt_level == OptLevel::O1 {
+        assert!(amp.autocast_ops() >= 3, "the model autocasts at O1");
+    }
+    model.eval();
+    accuracy(&|x| model.forward(x).unwrap(), test)
 }
