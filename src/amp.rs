@@ -352,7 +352,10 @@ impl Amp {
                 &shapes,
             ));
         }
-        if let Some((k, t)) = tensors.iter().find(|(_, t)| !t.dtype().is_float()) {
+        if let Some((k, t)) = tensors
+            .iter()
+            .find(|(k, t)| !unexpected.contains(k) && !t.dtype().is_float())
+        {
             return Err(AmpError::checkpoint(
                 path,
                 CheckpointErrorKind::Mismatch,

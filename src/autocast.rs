@@ -280,7 +280,8 @@ pub struct AutocastGuard {
 impl Drop for AutocastGuard {
     fn drop(&mut self) {
         let prev = self.prev.take();
-        CURRENT.with(|c| *c.borrow_mut() = prev);
+        // `try_with`: the thread-local may already be gone while the thread exits.
+        let _ = CURRENT.try_with(|c| *c.borrow_mut() = prev);
     }
 }
 

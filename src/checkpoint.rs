@@ -16,9 +16,10 @@
 //! to `vN`, then replaces `LATEST` atomically (write `LATEST.tmp`, fsync, rename, fsync the
 //! directory; `rename` cannot replace a non-empty directory, hence the pointer). A crash at
 //! any moment leaves the previous `LATEST` and the version it names intact. Loading follows
-//! `LATEST`, verifies every checksum before parsing anything, and removes leftovers of
-//! interrupted saves; saving keeps the last `keep` committed versions. One writer per
-//! directory.
+//! `LATEST`, verifies every checksum before parsing anything, and ignores leftovers of
+//! interrupted saves; they are removed under the directory's lock file (`DIR/.lock`), which
+//! a save holds throughout, so a load never deletes what a concurrent save is writing.
+//! Saving keeps the last `keep` committed versions.
 
 use std::collections::BTreeMap;
 use std::fs::{self, File};
@@ -37,6 +38,7 @@ const WEIGHTS: &str = "weights.safetensors";
 const STATE: &str = "state.json";
 const MANIFEST: &str = "manifest.json";
 const FORMAT: &str = "candle-amp-checkpoint";
+const LOCK: &str = ".lock";
 
 /// Everything needed to resume a run exactly.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -155,7 +157,7 @@ fn version_name(n: u64) -> String {
 
 fn parse_version(name: &str) -> Option<u64> {
     let digits = name.strip_prefix('v')?;
-    if digits.len() != 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+    if digits.len() < 8 || digits.len() > 20 || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return None;
     }
     digits.parse().ok()
@@ -173,6 +175,16 @@ impl CheckpointDir {
     /// The directory.
     pub fn root(&self) -> &Path {
         &self.root
+    }
+
+    fn lock_file(&self) -> Result<File> {
+        let p = self.root.join(LOCK);
+        fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&p)
+            .map_err(|e| io_err(&p, e))
     }
 
     /// Committed version numbers and leftovers (`.tmp` directories, uncommitted versions).
@@ -222,7 +234,10 @@ impl CheckpointDir {
     /// version's directory.
     pub fn save(&self, ckpt: &Checkpoint) -> Result<PathBuf> {
         fs::create_dir_all(&self.root).map_err(|e| io_err(&self.root, e))?;
-        self.clean_up()?;
+        // Held until the save returns (and released by the OS if the process dies).
+        let lock = self.lock_file()?;
+        lock.lock().map_err(|e| io_err(&self.root.join(LOCK), e))?;
+        self.clean_up_locked()?;
         let (versions, _) = self.scan()?;
         let n = versions.last().map_or(1, |v| v + 1);
         let name = version_name(n);
@@ -279,7 +294,13 @@ impl CheckpointDir {
         fs::rename(&ptmp, self.root.join(LATEST)).map_err(|e| io_err(&self.root, e))?;
         fsync_dir(&self.root)?;
 
-        self.prune(n)?;
+        // The checkpoint is committed: a failure to prune old versions is not a failed save.
+        if let Err(e) = self.prune(n) {
+            log::warn!(
+                "checkpoint {} saved, but old versions could not be removed: {e}",
+                final_dir.display()
+            );
+        }
         Ok(final_dir)
     }
 
@@ -298,7 +319,17 @@ impl CheckpointDir {
 
     /// Removes leftovers of interrupted saves: `.tmp` directories, versions newer than the
     /// committed one, and committed versions beyond `keep` (a save killed while pruning).
+    /// Waits for a save in progress (the lock file).
     pub fn clean_up(&self) -> Result<()> {
+        if !self.root.exists() {
+            return Ok(());
+        }
+        let lock = self.lock_file()?;
+        lock.lock().map_err(|e| io_err(&self.root.join(LOCK), e))?;
+        self.clean_up_locked()
+    }
+
+    fn clean_up_locked(&self) -> Result<()> {
         let committed = self.latest_version()?;
         let (versions, tmp) = self.scan()?;
         for p in tmp {
@@ -319,7 +350,7 @@ impl CheckpointDir {
     }
 
     /// Loads and verifies the committed checkpoint. Leftovers of interrupted saves are
-    /// ignored, and removed when the directory is writable.
+    /// ignored, and removed when no save is in progress and the directory is writable.
     pub fn load(&self) -> Result<Checkpoint> {
         let v = self.latest_version()?.ok_or_else(|| {
             AmpError::checkpoint(
@@ -329,7 +360,10 @@ impl CheckpointDir {
             )
         })?;
         let ckpt = self.load_version(v)?;
-        if let Err(e) = self.clean_up() {
+        if let Ok(lock) = self.lock_file()
+            && lock.try_lock().is_ok()
+            && let Err(e) = self.clean_up_locked()
+        {
             log::debug!("could not remove leftovers of interrupted saves: {e}");
         }
         Ok(ckpt)

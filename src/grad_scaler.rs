@@ -33,10 +33,13 @@ enum Stage {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GradScalerState {
     /// The scale.
+    #[serde(with = "crate::serde_f32")]
     pub scale: f32,
     /// Growth factor.
+    #[serde(with = "crate::serde_f32")]
     pub growth_factor: f32,
     /// Backoff factor.
+    #[serde(with = "crate::serde_f32")]
     pub backoff_factor: f32,
     /// Growth interval.
     pub growth_interval: u32,
@@ -46,6 +49,10 @@ pub struct GradScalerState {
 
 /// A gradient scaler with PyTorch's defaults and rules: initial scale 2^16, growth 2,
 /// backoff 0.5, interval 2000, no floor and no ceiling (so its trajectory is PyTorch's).
+///
+/// It does not go through [`crate::Amp::scale_loss`], so the O1 cast cache is not cleared
+/// per step and [`crate::Amp::autocast_ops`] is not updated (stale cache entries are never
+/// used: the cache is keyed on the store's write generation).
 ///
 /// Per optimizer and iteration: `unscale` at most once and before `step`; `step` at most
 /// once (it unscales first if needed, and skips silently, returning
@@ -215,6 +222,13 @@ impl GradScaler {
         }
         match new_scale {
             Some(s) => {
+                if s.is_nan() || s < 0.0 {
+                    return Err(AmpError::InvalidOverride {
+                        property: "new_scale",
+                        level: "GradScaler".into(),
+                        reason: format!("must be a number >= 0, got {s}"),
+                    });
+                }
                 if let LossScale::Dynamic(d) = &mut self.scale {
                     d.scale = s;
                 }
@@ -254,8 +268,14 @@ impl GradScaler {
                 "the state dict is empty (saved from a disabled GradScaler); there is nothing to load".into(),
             ));
         };
+        if s.scale.is_nan() || s.scale < 0.0 {
+            return Err(AmpError::OptimizerState(format!(
+                "the saved scale {} is not a number >= 0; the state is damaged",
+                s.scale
+            )));
+        }
         let mut fresh = Self::with_params(
-            s.scale.max(f32::MIN_POSITIVE),
+            65536.0,
             s.growth_factor,
             s.backoff_factor,
             s.growth_interval,
@@ -263,7 +283,7 @@ impl GradScaler {
         )?;
         if let LossScale::Dynamic(d) = &mut fresh.scale {
             d.scale = s.scale;
-            d.growth_tracker = s.growth_tracker;
+            d.growth_tracker = s.growth_tracker.min(s.growth_interval);
         }
         *self = fresh;
         Ok(())

@@ -17,7 +17,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 
 use crate::amp::Amp;
-use crate::error::Result;
+use crate::error::{AmpError, Result};
 use crate::optim::AmpOptimizer;
 
 /// What a backward through the guard found.
@@ -83,6 +83,11 @@ impl<'a> ScaleLoss<'a> {
     ) -> Result<Self> {
         amp.check_loss_id(loss_id)?;
         for o in &optimizers {
+            if !o.belongs_to(&amp.shared) {
+                return Err(AmpError::CallOrder(
+                    "this optimizer was made by another AMP handle; use the handle that made it".into(),
+                ));
+            }
             o.check_can_backward()?;
         }
         let scale = amp.loss_scale(loss_id)?;

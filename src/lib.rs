@@ -48,6 +48,7 @@ pub mod opt_level;
 pub mod optim;
 pub mod rng;
 pub mod scaler;
+mod serde_f32;
 pub mod store;
 
 pub use amp::{Amp, AmpState, GradReducer, LoadMode, LoadReport, STATE_FORMAT_VERSION, initialize, initialize_on};

@@ -27,18 +27,23 @@ use crate::opt_level::{DynamicParams, LossScaleSpec, Properties};
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct DynamicLossScale {
     /// The current scale.
+    #[serde(with = "crate::serde_f32")]
     pub scale: f32,
     /// Clean steps since the last growth or overflow.
     pub growth_tracker: u32,
     /// Clean steps needed to grow.
     pub growth_interval: u32,
     /// Growth multiplier (> 1).
+    #[serde(with = "crate::serde_f32")]
     pub growth_factor: f32,
     /// Backoff multiplier (in (0, 1)).
+    #[serde(with = "crate::serde_f32")]
     pub backoff_factor: f32,
     /// Floor.
+    #[serde(with = "crate::serde_f32")]
     pub min_scale: f32,
     /// Ceiling.
+    #[serde(with = "crate::serde_f32")]
     pub max_scale: f32,
     /// Hysteresis budget when full (1 = no hysteresis).
     pub hysteresis: u32,
@@ -69,6 +74,7 @@ pub enum LossScale {
     /// A scale that never changes.
     Static {
         /// The scale.
+        #[serde(with = "crate::serde_f32")]
         scale: f32,
     },
     /// A scale that backs off on overflow and grows after clean intervals.
@@ -79,7 +85,8 @@ impl LossScale {
     /// A dynamic scale from parameters, floor and ceiling.
     pub fn dynamic(p: &DynamicParams, min_scale: f32, max_scale: f32) -> Self {
         LossScale::Dynamic(DynamicLossScale {
-            scale: p.init_scale.clamp(min_scale, max_scale),
+            // max/min rather than clamp: clamp panics on an inverted or NaN range.
+            scale: p.init_scale.max(min_scale).min(max_scale),
             growth_tracker: 0,
             growth_interval: p.growth_interval,
             growth_factor: p.growth_factor,
@@ -127,7 +134,7 @@ impl LossScale {
         };
         let before = d.scale;
         if finite {
-            d.growth_tracker += 1;
+            d.growth_tracker = d.growth_tracker.saturating_add(1);
             if d.consecutive_hysteresis {
                 d.hysteresis_left = d.hysteresis;
             }

@@ -141,7 +141,7 @@ impl CastType {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub enum LossScaleSpec {
     /// A fixed scale (1.0 disables scaling). Non-finite gradients still skip the step.
-    Static(f32),
+    Static(#[serde(with = "crate::serde_f32")] f32),
     /// Dynamic scaling: see [`crate::loss_scale::LossScale`].
     Dynamic,
 }
@@ -232,10 +232,13 @@ pub const LEVEL_TABLE: [LevelDefaults; 4] = [
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct DynamicParams {
     /// The first scale (2^16).
+    #[serde(with = "crate::serde_f32")]
     pub init_scale: f32,
     /// Multiplier applied after `growth_interval` clean steps (2.0).
+    #[serde(with = "crate::serde_f32")]
     pub growth_factor: f32,
     /// Multiplier applied on overflow (0.5).
+    #[serde(with = "crate::serde_f32")]
     pub backoff_factor: f32,
     /// Clean steps in a row before the scale grows (2000).
     pub growth_interval: u32,
@@ -577,8 +580,10 @@ pub struct Properties {
     /// Number of loss scalers.
     pub num_losses: usize,
     /// Floor of the dynamic scale.
+    #[serde(with = "crate::serde_f32")]
     pub min_loss_scale: f32,
     /// Ceiling of the dynamic scale.
+    #[serde(with = "crate::serde_f32")]
     pub max_loss_scale: f32,
     /// Dynamic scaling parameters.
     pub dynamic: DynamicParams,

@@ -83,10 +83,10 @@ impl ScalerSlot {
         self.reported = false;
         let before = self.state.scale.scale();
         self.state.scale.adjust(!overflow);
-        self.state.updates += 1;
+        self.state.updates = self.state.updates.saturating_add(1);
         if overflow {
-            self.state.total_skips += 1;
-            self.state.consecutive_skips += 1;
+            self.state.total_skips = self.state.total_skips.saturating_add(1);
+            self.state.consecutive_skips = self.state.consecutive_skips.saturating_add(1);
             if self.state.scale.is_dynamic() {
                 log::warn!(
                     "Gradient overflow. Skipping step, loss scaler {loss_id} reducing loss scale to {}",

@@ -518,3 +518,39 @@ fn a_nan_loss_leaves_weights_and_optimizer_state_unchanged() {
     assert_eq!(after.algorithm, s.algorithm);
     assert_eq!(after.skipped_steps, 1);
 }
+
+#[test]
+fn non_finite_settings_and_values_survive_a_checkpoint() {
+    // PyTorch's bounds (floor 0, ceiling inf) and a collapsed scale are legal states.
+    let dir = tmpdir("nonfinite");
+    let cfg = AmpConfig::new(OptLevel::O2)
+        .min_loss_scale(0.0)
+        .max_loss_scale(f32::INFINITY)
+        .verbosity(0);
+    let (model, mut opt, amp) =
+        amp::initialize(TwoLinear::new, AdamW::new(Default::default()).unwrap(), cfg.clone()).unwrap();
+    train_step(&model, &mut opt, &amp);
+    let mut st = amp.scaler_states()[0].clone();
+    if let amp::LossScale::Dynamic(d) = &mut st.scale {
+        d.scale = 0.0;
+    }
+    amp.set_scaler_state(0, st).unwrap();
+    let ck = Checkpoint::capture(&amp, &[&opt], 1).unwrap();
+    CheckpointDir::new(&dir, 1).save(&ck).unwrap();
+    let back = CheckpointDir::new(&dir, 1).load().unwrap();
+    assert_eq!(back, ck);
+    assert_eq!(back.amp.properties.max_loss_scale, f32::INFINITY);
+    let (_, mut opt2, amp2) = amp::initialize(TwoLinear::new, AdamW::new(Default::default()).unwrap(), cfg).unwrap();
+    back.restore(&amp2, &mut [&mut opt2]).unwrap();
+    assert_eq!(amp2.loss_scale(0).unwrap(), 0.0);
+    // Tensor data with inf and NaN round-trips through JSON.
+    let t = amp::optim::TensorData {
+        shape: vec![4],
+        data: vec![1.5, f32::INFINITY, f32::NEG_INFINITY, f32::NAN],
+    };
+    let j = serde_json::to_string(&t).unwrap();
+    let u: amp::optim::TensorData = serde_json::from_str(&j).unwrap();
+    assert_eq!(&u.data[..3], &t.data[..3]);
+    assert!(u.data[3].is_nan());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

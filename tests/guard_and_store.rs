@@ -383,3 +383,59 @@ fn unmodified_candle_layers_train_at_every_level() {
         assert_eq!(opt.master_grads().len(), 0);
     }
 }
+
+#[test]
+fn foreign_optimizers_bad_clip_norms_and_dropped_optimizers() {
+    let (model, mut opt, amp) = amp::initialize(TwoLinear::new, sgd(0.1), OptLevel::O2).unwrap();
+    let (_, mut other_opt, _other) = amp::initialize(TwoLinear::new, sgd(0.1), OptLevel::O2).unwrap();
+    let e = amp.scale_loss(&one_step_loss(&model, 1), &mut other_opt).unwrap_err();
+    assert!(
+        matches!(e, AmpError::CallOrder(_)) && e.to_string().contains("another AMP handle"),
+        "{e}"
+    );
+    amp.scale_loss(&one_step_loss(&model, 1), &mut opt)
+        .unwrap()
+        .backward()
+        .unwrap();
+    for bad in [-1.0, f64::NAN, f64::INFINITY] {
+        assert!(
+            matches!(opt.clip_grad_norm(bad), Err(AmpError::InvalidOverride { .. })),
+            "{bad}"
+        );
+    }
+    assert!(opt.set_lr(0, f64::NAN).is_err());
+    assert!(opt.set_lr(0, -1.0).is_err());
+    // Huge but finite gradients: the norm is computed in f64 and clipping still works.
+    let grads: Vec<String> = opt.master_grads().keys().cloned().collect();
+    let big = opt.master_grads()[&grads[0]].affine(0.0, 1e20).unwrap();
+    let (_, mut o3, a3) = amp::initialize(TwoLinear::new, sgd(0.1), OptLevel::O0).unwrap();
+    let w = a3.store().param(&grads[0]).unwrap().working;
+    let loss = (w.as_tensor() * &big).unwrap().sum_all().unwrap();
+    a3.scale_loss(&loss, &mut o3).unwrap().backward().unwrap();
+    let n = o3.clip_grad_norm(1.0).unwrap();
+    assert!(n.is_finite() && n > 1e20, "{n}");
+    let clipped: f64 = flat(o3.master_grad(&grads[0]).unwrap())
+        .iter()
+        .map(|v| (*v as f64).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    assert!((clipped - 1.0).abs() < 1e-3, "{clipped}");
+
+    // An optimizer dropped with pending gradients does not hold the scaler's round open.
+    let amp = amp::Amp::new(OptLevel::O2, &Device::Cpu).unwrap();
+    let m = amp.model(TwoLinear::new).unwrap();
+    let mut o1 = amp.optimizer_for(sgd(0.1), |n| n.starts_with("l1."));
+    let mut o2 = amp.optimizer_for(sgd(0.1), |n| n.starts_with("l2."));
+    let loss = (one_step_loss(&m, 2) * f64::INFINITY).unwrap();
+    amp.scale_loss_multi(&loss, 0, vec![&mut o1, &mut o2])
+        .unwrap()
+        .backward()
+        .unwrap();
+    drop(o2);
+    assert!(o1.step().unwrap().is_skipped());
+    assert_eq!(
+        amp.loss_scale(0).unwrap(),
+        32768.0,
+        "the round closed without the dropped optimizer"
+    );
+}

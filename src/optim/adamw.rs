@@ -137,8 +137,22 @@ impl Optimizer for AdamW {
         })
     }
 
-    fn load_state_dict(&mut self, state: &OptimizerState) -> Result<()> {
+    fn check_state(&self, state: &OptimizerState) -> Result<()> {
         state.expect_kind(self.name())?;
+        for (name, ps) in &state.params {
+            for k in ["exp_avg", "exp_avg_sq"] {
+                if !ps.buffers.contains_key(k) {
+                    return Err(AmpError::OptimizerState(format!(
+                        "parameter `{name}` has no `{k}` buffer"
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn load_state_dict(&mut self, state: &OptimizerState) -> Result<()> {
+        self.check_state(state)?;
         let mut new = BTreeMap::new();
         for (name, ps) in &state.params {
             let get = |k: &str| {

@@ -57,6 +57,17 @@ pub struct ParamGroup {
 
 type Filter = Arc<dyn Fn(&str) -> bool + Send + Sync>;
 
+fn check_hyper(property: &'static str, v: f64) -> Result<()> {
+    if v.is_finite() && v >= 0.0 {
+        return Ok(());
+    }
+    Err(AmpError::InvalidOverride {
+        property,
+        level: "optimizer group".into(),
+        reason: format!("must be finite and >= 0, got {v}"),
+    })
+}
+
 struct GroupSpec {
     name: String,
     filter: Filter,
@@ -112,6 +123,13 @@ pub struct AmpOptimizer {
     steps: u64,
     skipped: u64,
     consecutive_skips: u32,
+}
+
+impl Drop for AmpOptimizer {
+    /// An optimizer dropped with gradients pending must not leave a scaler waiting for it.
+    fn drop(&mut self) {
+        self.withdraw_all();
+    }
 }
 
 impl std::fmt::Debug for AmpOptimizer {
@@ -255,19 +273,23 @@ impl AmpOptimizer {
 
     /// Sets the learning rate of a group.
     pub fn set_lr(&mut self, group: usize, lr: f64) -> Result<()> {
+        check_hyper("lr", lr)?;
         self.group_mut(group)?.hyper.lr = lr;
         Ok(())
     }
 
     /// Sets the learning rate of every group.
-    pub fn set_lr_all(&mut self, lr: f64) {
+    pub fn set_lr_all(&mut self, lr: f64) -> Result<()> {
+        check_hyper("lr", lr)?;
         for g in &mut self.groups {
             g.hyper.lr = lr;
         }
+        Ok(())
     }
 
     /// Sets the weight decay of a group.
     pub fn set_weight_decay(&mut self, group: usize, wd: f64) -> Result<()> {
+        check_hyper("weight_decay", wd)?;
         self.group_mut(group)?.hyper.weight_decay = wd;
         Ok(())
     }
@@ -315,6 +337,23 @@ impl AmpOptimizer {
         self.micro_batches
     }
 
+    /// Whether this optimizer was made by the run `shared` belongs to.
+    pub(crate) fn belongs_to(&self, shared: &Arc<Shared>) -> bool {
+        Arc::ptr_eq(&self.shared, shared)
+    }
+
+    /// Withdraws from every scaler round this optimizer is enlisted in.
+    fn withdraw_all(&mut self) {
+        if !self.found_inf.is_empty() && self.stage == Stage::HasGrads {
+            let mut scalers = self.shared.scalers_mut();
+            for &loss_id in self.found_inf.keys() {
+                if let Some(s) = scalers.get_mut(loss_id) {
+                    s.withdraw(self.id, loss_id);
+                }
+            }
+        }
+    }
+
     pub(crate) fn check_can_backward(&self) -> Result<()> {
         if self.stage == Stage::Stepped {
             return Err(AmpError::CallOrder(
@@ -335,6 +374,13 @@ impl AmpOptimizer {
         nonfinite: Vec<String>,
     ) -> Result<()> {
         self.check_can_backward()?;
+        let n = self.shared.props.num_losses;
+        if loss_id >= n {
+            return Err(AmpError::LossId {
+                id: loss_id,
+                num_losses: n,
+            });
+        }
         for (name, g) in grads {
             let sum = match self.grads.remove(&name) {
                 Some(prev) => (prev + g)?,
@@ -362,6 +408,7 @@ impl AmpOptimizer {
     /// Replaces the master gradients with unscaled ones computed outside the guard (the
     /// PyTorch-style [`crate::GradScaler`]).
     pub(crate) fn set_unscaled(&mut self, grads: Vec<(String, Tensor)>, found_inf: bool, nonfinite: Vec<String>) {
+        self.withdraw_all();
         self.grads = grads.into_iter().collect();
         self.found_inf.clear();
         self.found_inf.insert(usize::MAX, found_inf);
@@ -391,6 +438,13 @@ impl AmpOptimizer {
     /// gradient is non-finite the norm is returned as is and nothing is clipped (the step
     /// will be skipped). Call between the backward and `step`.
     pub fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f32> {
+        if !(max_norm.is_finite() && max_norm >= 0.0) {
+            return Err(AmpError::InvalidOverride {
+                property: "max_norm",
+                level: "clip_grad_norm".into(),
+                reason: format!("must be finite and >= 0, got {max_norm}"),
+            });
+        }
         if self.stage != Stage::HasGrads {
             return Err(AmpError::CallOrder(
                 "clip_grad_norm needs gradients: call it after backward and before step".into(),
@@ -398,7 +452,8 @@ impl AmpOptimizer {
         }
         let mut total = 0f64;
         for g in self.grads.values() {
-            total += g.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            // In f64: squares of large finite f32 gradients would overflow f32.
+            total += g.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
         }
         let norm = total.sqrt();
         if !norm.is_finite() {
@@ -437,7 +492,13 @@ impl AmpOptimizer {
             self.apply()?;
         }
         self.stage = Stage::Stepped;
-        let first_id = self.found_inf.keys().next().copied().unwrap_or(0);
+        // Report the scaler that overflowed (or the first one used).
+        let first_id = self
+            .found_inf
+            .iter()
+            .find(|(_, inf)| **inf)
+            .or(self.found_inf.iter().next())
+            .map_or(0, |(id, _)| *id);
         let scale = {
             let mut scalers = self.shared.scalers_mut();
             for (&loss_id, &inf) in &self.found_inf {
@@ -453,8 +514,8 @@ impl AmpOptimizer {
             self.consecutive_skips = 0;
             return Ok(StepOutcome::Stepped { loss_scale: scale });
         }
-        self.skipped += 1;
-        self.consecutive_skips += 1;
+        self.skipped = self.skipped.saturating_add(1);
+        self.consecutive_skips = self.consecutive_skips.saturating_add(1);
         let nonfinite: Vec<String> = self.nonfinite.iter().cloned().collect();
         if self.consecutive_skips >= self.shared.props.max_consecutive_skips {
             return Err(AmpError::PersistentOverflow {
@@ -512,28 +573,24 @@ impl AmpOptimizer {
                 persistent: i.persistent,
             })
             .collect();
-        self.algo.step(&updates)?;
-        // Copy the f32 results into the working (half) weights where they are separate Vars.
-        for i in &items {
+        let stepped = self.algo.step(&updates);
+        // Copy the f32 results into the working (half) weights where they are separate Vars,
+        // also after a failure part-way, so that masters and working weights agree.
+        let synced = items.iter().try_for_each(|i| -> Result<()> {
             if i.param.working.id() != i.var.id() {
                 let w = &i.param.working;
                 w.set(&i.var.as_tensor().to_dtype(w.dtype())?)?;
             }
-        }
+            Ok(())
+        });
         self.shared.store.bump_generation();
-        Ok(())
+        stepped?;
+        synced
     }
 
     /// Drops the accumulated gradients and overflow flags; the next backward starts afresh.
     pub fn zero_grad(&mut self) {
-        if !self.found_inf.is_empty() && self.stage == Stage::HasGrads {
-            let mut scalers = self.shared.scalers_mut();
-            for &loss_id in self.found_inf.keys() {
-                if let Some(s) = scalers.get_mut(loss_id) {
-                    s.withdraw(self.id, loss_id);
-                }
-            }
-        }
+        self.withdraw_all();
         self.grads.clear();
         self.found_inf.clear();
         self.nonfinite.clear();
@@ -555,6 +612,26 @@ impl AmpOptimizer {
     /// Checks that `state` fits this optimizer (same algorithm, same group names in the same
     /// order) without changing anything.
     pub fn check_state(&self, state: &AmpOptimizerState) -> Result<()> {
+        self.algo.check_state(&state.algorithm)?;
+        // Saved buffers must have their parameter's shape.
+        for (name, ps) in &state.algorithm.params {
+            if let Some(p) = self.shared.store.param(name) {
+                for (k, b) in &ps.buffers {
+                    if b.shape != p.working.dims() || b.data.len() != b.shape.iter().product::<usize>() {
+                        return Err(AmpError::OptimizerState(format!(
+                            "buffer `{k}` of `{name}` has shape {:?} ({} values) but the parameter has shape {:?}",
+                            b.shape,
+                            b.data.len(),
+                            p.working.dims()
+                        )));
+                    }
+                }
+            }
+        }
+        for (_, h) in &state.groups {
+            check_hyper("lr", h.lr)?;
+            check_hyper("weight_decay", h.weight_decay)?;
+        }
         let names: Vec<&String> = self.groups.iter().map(|g| &g.name).collect();
         let saved: Vec<&String> = state.groups.iter().map(|(n, _)| n).collect();
         if names != saved {

@@ -10,7 +10,9 @@ use crate::error::{AmpError, Result};
 ///
 /// candle's optimizers are built over Vars, so the wrapped optimizer is built at the first
 /// step over the f32 Vars that have gradients: the f32 masters at O2, the model's own Vars at
-/// O0 and O1. At O3 there are no f32 Vars and the adapter returns a typed error. candle keeps
+/// O0 and O1. At O3 there are no f32 Vars and the adapter returns a typed error. candle's
+/// optimizers have one learning rate and their own weight decay: the adapter passes the
+/// first group's learning rate and ignores groups' weight decay. candle keeps
 /// its optimizer state private, so [`state_dict`](Optimizer::state_dict) is an error: use
 /// [`super::AdamW`] or [`super::Sgd`] for runs that checkpoint.
 pub struct CandleOptimizer<O: candle_nn::Optimizer> {

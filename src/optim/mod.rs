@@ -77,4 +77,11 @@ pub trait Optimizer: Send {
 
     /// Restores state produced by [`state_dict`](Optimizer::state_dict).
     fn load_state_dict(&mut self, state: &OptimizerState) -> Result<()>;
+
+    /// Checks, without changing anything, that `state` would load: by default that it was
+    /// saved by an algorithm of the same name. Implementations add their own checks (required
+    /// buffers) so that a checkpoint fails before anything is restored.
+    fn check_state(&self, state: &OptimizerState) -> Result<()> {
+        state.expect_kind(self.name())
+    }
 }

@@ -7,13 +7,15 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{AmpError, Result};
 
-/// An f32 tensor as plain data (shape and row-major values). serde_json writes f32 values in
-/// their shortest round-tripping form, so a save/load round trip is bit-exact.
+/// An f32 tensor as plain data (shape and row-major values). serde_json writes finite f32
+/// values in their shortest round-tripping form, so they survive a save/load round trip
+/// exactly; inf and NaN are written as strings (NaN payloads are not kept).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TensorData {
     /// Dimensions.
     pub shape: Vec<usize>,
     /// Values, row-major.
+    #[serde(with = "crate::serde_f32::vec")]
     pub data: Vec<f32>,
 }
 
