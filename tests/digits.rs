@@ -162,3 +162,25 @@ fn train_and_score<M: candle_nn::ModuleT>(
     model.eval();
     accuracy(&|x| model.forward(x).unwrap(), test)
 }
+
+#[test]
+fn malformed_data_files_name_the_line() {
+    let e = data::parse_csv("1,2,3\n4,5,6\n7,x,9\n").unwrap_err();
+    assert_eq!(e.line, 3);
+    assert!(
+        e.to_string().contains("line 3") && e.to_string().contains("\"x\""),
+        "{e}"
+    );
+    let e = data::parse_csv("1,2,3\n4,5\n").unwrap_err();
+    assert_eq!(e.line, 2);
+    let e = data::parse_csv("1,2,3\n\n4,5,-1\n").unwrap_err();
+    assert_eq!(e.line, 3, "negative label");
+    let e = data::parse_csv("1,2,3.5\n").unwrap_err();
+    assert!(e.to_string().contains("label"));
+    assert_eq!(data::parse_csv("").unwrap_err().line, 0);
+    // A constant column standardises to zeros, not NaN.
+    let d = data::parse_csv("1,5,0\n2,5,1\n3,5,0\n4,5,1\n5,5,0\n").unwrap();
+    let (tr, te) = data::split_standardise(&d, 0.2, 0);
+    assert!(tr.x.iter().chain(&te.x).all(|v| v.is_finite()));
+    assert!(tr.x.iter().skip(1).step_by(2).all(|v| *v == 0.0));
+}

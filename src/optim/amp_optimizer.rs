@@ -23,7 +23,8 @@ pub enum StepOutcome {
     /// A gradient (or the loss) was inf or NaN: nothing was updated and the step was not
     /// counted by the optimizer.
     Skipped {
-        /// The loss scale after the backoff.
+        /// The scale of the scaler that overflowed, after its backoff (before it, while other
+        /// optimizers of the same block have still to step).
         loss_scale: f32,
         /// Parameters whose gradients were non-finite (`"<loss>"`: the loss itself).
         nonfinite: Vec<String>,
