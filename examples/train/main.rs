@@ -429,11 +429,17 @@ fn main() -> Result<()> {
         "{:<12} {:<6} {:<5} {:<6} {:>10} {:>10} {:>9} {:>8} {:>12} {:>8}\n",
         "model", "level", "half", "params", "final_loss", "eval_loss", "accuracy", "skipped", "loss_scale", "step_ms"
     );
-    for &kind in &a.models {
-        let task = make_task(kind, &a)?;
+    // Prepare every task first, so that bad data fails before any training.
+    let tasks = a
+        .models
+        .iter()
+        .map(|&k| Ok((k, make_task(k, &a)?)))
+        .collect::<Result<Vec<_>>>()?;
+    for (kind, task) in &tasks {
+        let (kind, task) = (*kind, task);
         let mut runs = Vec::new();
         for &level in &a.levels {
-            let r = train_one(kind, &task, level, &a)?;
+            let r = train_one(kind, task, level, &a)?;
             if a.json {
                 let mut line = serde_json::json!({
                     "model": kind.name(),
