@@ -321,14 +321,7 @@ impl Amp {
     /// and unexpected names are too. Nothing is written unless the whole file fits.
     pub fn load_weights(&self, path: impl AsRef<Path>, mode: LoadMode) -> Result<LoadReport> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|e| {
-            let kind = if e.kind() == std::io::ErrorKind::NotFound {
-                CheckpointErrorKind::NotFound
-            } else {
-                CheckpointErrorKind::Io
-            };
-            AmpError::checkpoint(path, kind, e.to_string())
-        })?;
+        let bytes = std::fs::read(path).map_err(|e| crate::checkpoint::io_err(path, e))?;
         let tensors: HashMap<String, Tensor> =
             candle_core::safetensors::load_buffer(&bytes, self.shared.store.device()).map_err(|e| {
                 AmpError::checkpoint(

@@ -131,7 +131,8 @@ pub struct CheckpointDir {
     keep: usize,
 }
 
-fn io_err(path: &Path, e: std::io::Error) -> AmpError {
+/// An I/O error as a checkpoint error (`NotFound` when the file is missing).
+pub(crate) fn io_err(path: &Path, e: std::io::Error) -> AmpError {
     let kind = if e.kind() == std::io::ErrorKind::NotFound {
         Kind::NotFound
     } else {

@@ -136,17 +136,7 @@ impl<'a> ScaleLoss<'a> {
     /// [`scaled_loss`](Self::scaled_loss), keyed by the working Vars).
     pub fn backward_from_grads(self, mut grads: GradStore) -> Result<BackwardReport> {
         let check = self.amp.properties().enabled;
-        let owned: Vec<Vec<(String, Var)>> = self
-            .optimizers
-            .iter()
-            .map(|o| {
-                o.owned()
-                    .into_iter()
-                    .filter(|(_, p)| p.trains())
-                    .map(|(_, p)| (p.name, p.working))
-                    .collect()
-            })
-            .collect();
+        let owned: Vec<Vec<(String, Var)>> = self.optimizers.iter().map(|o| o.trained_vars()).collect();
         let all: Vec<(String, Var)> = owned.iter().flatten().cloned().collect();
         stage_reduce(self.amp, &mut grads, &all)?;
         let inv = (1.0f64 / self.scale as f64) as f32;

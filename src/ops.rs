@@ -74,12 +74,18 @@ fn to_f32(t: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// The result of an op computed in f32: kept in f32 under an autocast Float policy (`on`),
+/// else returned in the input's type `orig` (f64 and integers were never cast).
+fn back_to(y: Tensor, orig: DType, on: bool) -> Result<Tensor> {
+    if on || !eligible(orig) { Ok(y) } else { y.to_dtype(orig) }
+}
+
 /// A Float-list op: computes `f` in f32; the result is f32 under autocast, else `orig`'s type.
 fn float_op(op: &str, x: &Tensor, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
     let orig = x.dtype();
     let (xs, on) = prepare(op, &[x])?;
     let y = f(&to_f32(&xs[0])?)?;
-    if on || !eligible(orig) { Ok(y) } else { y.to_dtype(orig) }
+    back_to(y, orig, on)
 }
 
 /// A Float-list pointwise op: in f32 under autocast, in the input's type otherwise.
@@ -346,7 +352,7 @@ pub fn layer_norm(x: &Tensor, w: Option<&Tensor>, b: Option<&Tensor>, eps: f64) 
     let c = x32.broadcast_sub(&mean)?;
     let var = c.sqr()?.mean_keepdim(D::Minus1)?;
     let y = c.broadcast_div(&(var + eps)?.sqrt()?)?;
-    let y = if on || !eligible(orig) { y } else { y.to_dtype(orig)? };
+    let y = back_to(y, orig, on)?;
     affine_last(y, w, b)
 }
 
@@ -357,7 +363,7 @@ pub fn rms_norm(x: &Tensor, w: Option<&Tensor>, eps: f64) -> Result<Tensor> {
     let x32 = to_f32(&xs[0])?;
     let ms = x32.sqr()?.mean_keepdim(D::Minus1)?;
     let y = x32.broadcast_div(&(ms + eps)?.sqrt()?)?;
-    let y = if on || !eligible(orig) { y } else { y.to_dtype(orig)? };
+    let y = back_to(y, orig, on)?;
     affine_last(y, w, None)
 }
 
@@ -375,7 +381,7 @@ pub fn group_norm(x: &Tensor, groups: usize, w: Option<&Tensor>, b: Option<&Tens
     let c = x32.broadcast_sub(&mean)?;
     let var = c.sqr()?.mean_keepdim(2)?;
     let y = c.broadcast_div(&(var + eps)?.sqrt()?)?.reshape(dims.as_slice())?;
-    let y = if on || !eligible(orig) { y } else { y.to_dtype(orig)? };
+    let y = back_to(y, orig, on)?;
     let mut cshape = vec![1usize; dims.len()];
     cshape[1] = dims[1];
     let y = match w {
