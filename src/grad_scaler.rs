@@ -20,7 +20,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{AmpError, Result};
 use crate::guard::stage_unscale;
-use crate::loss_scale::{DynamicLossScale, LossScale};
+use crate::loss_scale::LossScale;
+use crate::opt_level::DynamicParams;
 use crate::optim::{AmpOptimizer, StepOutcome};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,37 +105,18 @@ impl GradScaler {
         growth_interval: u32,
         enabled: bool,
     ) -> Result<Self> {
-        let bad = |p: &'static str, r: &str| AmpError::InvalidOverride {
-            property: p,
-            level: "GradScaler".into(),
-            reason: r.into(),
+        let params = DynamicParams {
+            init_scale,
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+            ..Default::default()
         };
-        if growth_factor.is_nan() || growth_factor <= 1.0 {
-            return Err(bad("growth_factor", "must be > 1"));
-        }
-        if backoff_factor.is_nan() || backoff_factor >= 1.0 || backoff_factor <= 0.0 {
-            return Err(bad("backoff_factor", "must be in (0, 1)"));
-        }
-        if growth_interval == 0 {
-            return Err(bad("growth_interval", "must be at least 1"));
-        }
-        if !(init_scale.is_finite() && init_scale > 0.0) {
-            return Err(bad("init_scale", "must be finite and > 0"));
-        }
+        params.check("GradScaler")?;
         Ok(Self {
             enabled,
-            scale: LossScale::Dynamic(DynamicLossScale {
-                scale: init_scale,
-                growth_tracker: 0,
-                growth_interval,
-                growth_factor,
-                backoff_factor,
-                min_scale: 0.0,
-                max_scale: f32::INFINITY,
-                hysteresis: 1,
-                hysteresis_left: 1,
-                consecutive_hysteresis: false,
-            }),
+            // No floor and no ceiling: PyTorch's arithmetic.
+            scale: LossScale::dynamic(&params, 0.0, f32::INFINITY),
             stages: HashMap::new(),
         })
     }

@@ -204,11 +204,16 @@ pub struct Unscaled {
     pub nonfinite: Vec<String>,
 }
 
-/// Unscales one raw gradient into f32 (`g * inv`, in f32, as PyTorch does) and reports
-/// whether the result has an inf or NaN.
-pub fn unscale_check(raw: &Tensor, inv: f32) -> Result<(Tensor, bool)> {
+/// Unscales one raw gradient into f32: `g * inv`, in f32, as PyTorch does (skipped when
+/// `inv` is 1).
+fn unscale(raw: &Tensor, inv: f32) -> Result<Tensor> {
     let g = raw.to_dtype(DType::F32)?;
-    let g = if inv == 1.0 { g } else { g.affine(inv as f64, 0.0)? };
+    Ok(if inv == 1.0 { g } else { g.affine(inv as f64, 0.0)? })
+}
+
+/// Unscales one raw gradient into f32 and reports whether the result has an inf or NaN.
+pub fn unscale_check(raw: &Tensor, inv: f32) -> Result<(Tensor, bool)> {
+    let g = unscale(raw, inv)?;
     let bad = has_nonfinite(&g)?;
     Ok((g, bad))
 }
@@ -225,11 +230,8 @@ pub fn stage_unscale(grads: &GradStore, params: &[(String, Var)], inv: f32, chec
         let Some(raw) = grads.get(var.as_tensor()) else {
             continue;
         };
-        let (g, bad) = if check {
-            unscale_check(raw, inv)?
-        } else {
-            (raw.to_dtype(DType::F32)?.affine(inv as f64, 0.0)?, false)
-        };
+        let g = unscale(raw, inv)?;
+        let bad = check && has_nonfinite(&g)?;
         if bad {
             out.found_inf = true;
             out.nonfinite.push(name.clone());

@@ -248,6 +248,36 @@ pub struct DynamicParams {
     pub consecutive_hysteresis: bool,
 }
 
+impl DynamicParams {
+    /// Rejects out-of-range values with an [`AmpError::InvalidOverride`] naming the
+    /// property; `level` says where they came from (an opt level, `"GradScaler"`).
+    pub fn check(&self, level: &str) -> Result<()> {
+        let invalid = |property: &'static str, reason: &str| {
+            Err(AmpError::InvalidOverride {
+                property,
+                level: level.to_string(),
+                reason: reason.to_string(),
+            })
+        };
+        if !(self.init_scale.is_finite() && self.init_scale > 0.0) {
+            return invalid("init_scale", "the initial scale must be finite and > 0");
+        }
+        if self.growth_factor.is_nan() || self.growth_factor <= 1.0 {
+            return invalid("growth_factor", "the growth factor must be > 1");
+        }
+        if !(self.backoff_factor > 0.0 && self.backoff_factor < 1.0) {
+            return invalid("backoff_factor", "the backoff factor must be in (0, 1)");
+        }
+        if self.growth_interval == 0 {
+            return invalid("growth_interval", "the growth interval must be at least 1");
+        }
+        if self.hysteresis == 0 {
+            return invalid("hysteresis", "hysteresis must be at least 1 (1 = none)");
+        }
+        Ok(())
+    }
+}
+
 impl Default for DynamicParams {
     fn default() -> Self {
         Self {
@@ -485,22 +515,7 @@ impl AmpConfig {
                 ),
             ));
         }
-        let dy = &self.dynamic;
-        if !(dy.init_scale.is_finite() && dy.init_scale > 0.0) {
-            return Err(self.invalid("init_scale", "the initial scale must be finite and > 0"));
-        }
-        if dy.growth_factor.is_nan() || dy.growth_factor <= 1.0 {
-            return Err(self.invalid("growth_factor", "the growth factor must be > 1"));
-        }
-        if !(dy.backoff_factor > 0.0 && dy.backoff_factor < 1.0) {
-            return Err(self.invalid("backoff_factor", "the backoff factor must be in (0, 1)"));
-        }
-        if dy.growth_interval == 0 {
-            return Err(self.invalid("growth_interval", "the growth interval must be at least 1"));
-        }
-        if dy.hysteresis == 0 {
-            return Err(self.invalid("hysteresis", "hysteresis must be at least 1 (1 = none)"));
-        }
+        self.dynamic.check(&self.opt_level.to_string())?;
         if self.max_consecutive_skips == 0 {
             return Err(self.invalid("max_consecutive_skips", "must be at least 1"));
         }

@@ -238,14 +238,15 @@ impl ParamStore {
         values: impl IntoIterator<Item = (&'a String, &'a [usize])>,
     ) -> (Vec<String>, Vec<String>, Vec<String>) {
         let params = self.params();
+        let by_name: HashMap<&str, &[usize]> = params.iter().map(|p| (p.name.as_str(), p.working.dims())).collect();
         let mut seen = std::collections::BTreeSet::new();
         let (mut unexpected, mut shapes) = (Vec::new(), Vec::new());
         for (name, dims) in values {
             seen.insert(name.clone());
-            match params.iter().find(|p| &p.name == name) {
+            match by_name.get(name.as_str()) {
                 None => unexpected.push(name.clone()),
-                Some(p) if p.working.dims() != dims => {
-                    shapes.push(format!("{name}: checkpoint {:?}, model {:?}", dims, p.working.dims()))
+                Some(model) if *model != dims => {
+                    shapes.push(format!("{name}: checkpoint {:?}, model {:?}", dims, model))
                 }
                 Some(_) => {}
             }

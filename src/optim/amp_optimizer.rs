@@ -215,11 +215,7 @@ impl AmpOptimizer {
 
     /// Names of the parameters this optimizer updates (owned, trainable, not frozen).
     pub fn param_names(&self) -> Vec<String> {
-        self.owned()
-            .into_iter()
-            .filter(|(_, p)| p.trains())
-            .map(|(_, p)| p.name)
-            .collect()
+        self.trained_vars().into_iter().map(|(name, _)| name).collect()
     }
 
     /// Adds a parameter group: every trainable parameter whose name matches `filter` moves to
