@@ -32,6 +32,13 @@ fn plottable(v: f64) -> bool {
     v.is_finite() && v > 0.0
 }
 
+/// A log-axis tick label: at most 3 decimals, no trailing zeros (plotters would print float
+/// noise such as 0.60000000001).
+fn tick(v: f64) -> String {
+    let s = format!("{v:.3}");
+    s.trim_end_matches('0').trim_end_matches('.').to_string()
+}
+
 /// The smallest and largest plottable value (at least `floor` for the largest).
 fn range(values: impl Iterator<Item = f64> + Clone, floor: f64) -> (f64, f64) {
     let max = values.clone().filter(|v| plottable(*v)).fold(floor, f64::max);
@@ -68,6 +75,7 @@ fn panel<'a>(
     c.configure_mesh()
         .x_desc("step")
         .y_desc(y_desc)
+        .y_label_formatter(&|v| tick(*v))
         .draw()
         .map_err(|e| err(&e))?;
     for (i, s) in series.iter().enumerate() {
