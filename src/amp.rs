@@ -6,7 +6,6 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
-use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use candle_core::backprop::GradStore;
@@ -22,7 +21,7 @@ use crate::loss_scale::LossScale;
 use crate::model::AmpModel;
 use crate::opt_level::{AmpConfig, Properties};
 use crate::optim::TensorData;
-use crate::optim::{AmpOptimizer, Optimizer};
+use crate::optim::{AmpOptimizer, Filter, Optimizer};
 use crate::rng::Generator;
 use crate::scaler::{ScalerSlot, ScalerState};
 use crate::store::{ParamStore, StorePolicy};
@@ -46,7 +45,8 @@ pub(crate) struct Shared {
     pub store: ParamStore,
     scalers: Mutex<Vec<ScalerSlot>>,
     pub reducer: Mutex<Option<Arc<dyn GradReducer>>>,
-    pub next_opt_id: AtomicUsize,
+    /// The live optimizers' claims (which trainable parameters each owns), by optimizer id.
+    claims: Mutex<BTreeMap<usize, Filter>>,
     generators: Mutex<BTreeMap<String, Generator>>,
     pub casts: Arc<CastContext>,
 }
@@ -120,6 +120,15 @@ impl Shared {
     pub fn scalers_mut(&self) -> MutexGuard<'_, Vec<ScalerSlot>> {
         self.scalers.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    pub fn claims_mut(&self) -> MutexGuard<'_, BTreeMap<usize, Filter>> {
+        self.claims.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The installed stage-2 reducer, if any.
+    pub fn reducer(&self) -> Option<Arc<dyn GradReducer>> {
+        self.reducer.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
 }
 
 /// The AMP handle: made once per run by [`initialize`] or [`Amp::new`], then used for every
@@ -157,7 +166,7 @@ impl Amp {
                 store,
                 scalers: Mutex::new(scalers),
                 reducer: Mutex::new(None),
-                next_opt_id: AtomicUsize::new(0),
+                claims: Mutex::new(BTreeMap::new()),
                 generators: Mutex::new(BTreeMap::new()),
                 casts,
             }),
@@ -209,13 +218,19 @@ impl Amp {
     /// The run's state: properties, loss scalers, generators and f32 weights. Optimizer state
     /// is separate ([`AmpOptimizer::state_dict`]).
     pub fn state_dict(&self) -> Result<AmpState> {
-        let weights = self
+        let mut state = self.state_dict_without_weights();
+        state.weights = self
             .shared
             .store
             .f32_values()?
             .iter()
             .map(|(k, t)| Ok((k.clone(), TensorData::from_tensor(t)?)))
             .collect::<Result<_>>()?;
+        Ok(state)
+    }
+
+    /// The run's state but the weights (checkpoints keep those in safetensors).
+    pub(crate) fn state_dict_without_weights(&self) -> AmpState {
         let generators = self
             .shared
             .generators
@@ -224,19 +239,46 @@ impl Amp {
             .iter()
             .map(|(k, g)| (k.clone(), g.snapshot()))
             .collect();
-        Ok(AmpState {
+        AmpState {
             format_version: STATE_FORMAT_VERSION,
             properties: self.shared.props.clone(),
             scalers: self.scaler_states(),
             store_rng: self.shared.store.rng_state(),
             generators,
-            weights,
-        })
+            weights: BTreeMap::new(),
+        }
     }
 
     /// Checks that `state` fits this run without changing anything: format version, number
     /// of loss scalers, and (when it carries weights) names and shapes.
     pub fn check_state(&self, state: &AmpState, origin: &str) -> Result<()> {
+        for (k, t) in &state.weights {
+            if t.data.len() != t.shape.iter().product::<usize>() {
+                return Err(AmpError::checkpoint(
+                    origin,
+                    CheckpointErrorKind::Corrupt,
+                    format!("weight `{k}` has {} values for shape {:?}", t.data.len(), t.shape),
+                ));
+            }
+        }
+        let shapes = (!state.weights.is_empty()).then(|| {
+            state
+                .weights
+                .iter()
+                .map(|(k, t)| (k.clone(), t.shape.clone()))
+                .collect::<Vec<_>>()
+        });
+        self.check_run_state(state, shapes.as_deref(), origin)
+    }
+
+    /// Checks the run state (format version, number of loss scalers) and, when given, the
+    /// names and shapes of the weights that come with it.
+    pub(crate) fn check_run_state(
+        &self,
+        state: &AmpState,
+        weights: Option<&[(String, Vec<usize>)]>,
+        origin: &str,
+    ) -> Result<()> {
         if state.format_version > STATE_FORMAT_VERSION {
             return Err(AmpError::checkpoint(
                 origin,
@@ -258,45 +300,24 @@ impl Amp {
                 ),
             ));
         }
-        let (missing, unexpected, shapes) = self
-            .shared
-            .store
-            .diff_names(state.weights.iter().map(|(k, t)| (k, t.shape.as_slice())));
-        if !missing.is_empty() || !unexpected.is_empty() || !shapes.is_empty() {
-            return Err(mismatch(origin, "checkpoint", &missing, &unexpected, &shapes));
-        }
-        for (k, t) in &state.weights {
-            if t.data.len() != t.shape.iter().product::<usize>() {
-                return Err(AmpError::checkpoint(
-                    origin,
-                    CheckpointErrorKind::Corrupt,
-                    format!("weight `{k}` has {} values for shape {:?}", t.data.len(), t.shape),
-                ));
+        if let Some(w) = weights {
+            let (missing, unexpected, shapes) = self
+                .shared
+                .store
+                .diff_names(w.iter().map(|(k, d)| (k, d.as_slice())));
+            if !missing.is_empty() || !unexpected.is_empty() || !shapes.is_empty() {
+                return Err(mismatch(origin, "checkpoint", &missing, &unexpected, &shapes));
             }
         }
         Ok(())
     }
 
-    /// Restores [`state_dict`](Amp::state_dict)'s output, at any opt level: the f32 weights
-    /// always load (into masters and, cast, into working weights); a scaler's scale loads
-    /// where both the saved and this run's scaler are dynamic, its skip counters always; the
-    /// generators load. Everything is checked before anything changes.
-    pub fn load_state_dict(&self, state: &AmpState) -> Result<()> {
-        self.check_state(state, "<state>")?;
-        let dev = self.shared.store.device().clone();
-        for (k, t) in &state.weights {
-            self.shared.store.write_f32(k, &t.to_tensor(&dev)?)?;
-        }
+    /// Restores everything of `state` but the weights: scalers, generators.
+    pub(crate) fn restore_run_state(&self, state: &AmpState) {
         {
             let mut scalers = self.shared.scalers_mut();
             for (slot, saved) in scalers.iter_mut().zip(&state.scalers) {
-                let st = &mut slot.state;
-                if st.scale.is_dynamic() && saved.scale.is_dynamic() {
-                    st.scale = saved.scale;
-                }
-                st.updates = saved.updates;
-                st.total_skips = saved.total_skips;
-                st.consecutive_skips = saved.consecutive_skips;
+                slot.state.restore_from(saved);
             }
         }
         self.shared.store.set_rng_state(state.store_rng.clone());
@@ -313,24 +334,34 @@ impl Amp {
                 self.shared.props.half
             );
         }
+    }
+
+    /// Restores [`state_dict`](Amp::state_dict)'s output, at any opt level: the f32 weights
+    /// always load (into masters and, cast, into working weights); each loss scaler keeps this
+    /// run's settings (floor, ceiling, factors, interval, hysteresis) and takes the saved
+    /// progress: where both the saved and this run's scaler are dynamic, the scale (clamped
+    /// into this run's floor and ceiling), the growth tracker and the hysteresis left, and
+    /// always the step and skip counters (Apex restores `loss_scale` and `unskipped`); the
+    /// generators load. Everything is checked before anything changes.
+    pub fn load_state_dict(&self, state: &AmpState) -> Result<()> {
+        self.check_state(state, "the state dict")?;
+        let dev = self.shared.store.device().clone();
+        for (k, t) in &state.weights {
+            self.shared.store.write_f32(k, &t.to_tensor(&dev)?)?;
+        }
+        self.restore_run_state(state);
         Ok(())
     }
 
     /// Loads pretrained weights from a safetensors file in f32, f16 or bf16 (converted to
-    /// f32 masters). Shape mismatches are always errors; with [`LoadMode::Strict`] missing
-    /// and unexpected names are too. Nothing is written unless the whole file fits.
+    /// f32 masters). The file is memory-mapped and read one tensor at a time. Shape
+    /// mismatches are always errors; with [`LoadMode::Strict`] missing and unexpected names
+    /// are too. Nothing is written unless the whole file fits.
     pub fn load_weights(&self, path: impl AsRef<Path>, mode: LoadMode) -> Result<LoadReport> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|e| crate::checkpoint::io_err(path, e))?;
-        let tensors: HashMap<String, Tensor> =
-            candle_core::safetensors::load_buffer(&bytes, self.shared.store.device()).map_err(|e| {
-                AmpError::checkpoint(
-                    path,
-                    CheckpointErrorKind::Corrupt,
-                    format!("not a safetensors file: {e}"),
-                )
-            })?;
-        let dims: BTreeMap<String, Vec<usize>> = tensors.iter().map(|(k, t)| (k.clone(), t.dims().to_vec())).collect();
+        let file = crate::checkpoint::map_safetensors(path)?;
+        let views = file.tensors();
+        let dims: BTreeMap<String, Vec<usize>> = views.iter().map(|(k, v)| (k.clone(), v.shape().to_vec())).collect();
         let (missing, unexpected, shapes) = self
             .shared
             .store
@@ -345,14 +376,14 @@ impl Amp {
                 &shapes,
             ));
         }
-        if let Some((k, t)) = tensors
+        if let Some((k, v)) = views
             .iter()
-            .find(|(k, t)| !unexpected.contains(k) && !t.dtype().is_float())
+            .find(|(k, v)| !unexpected.contains(k) && !DType::try_from(v.dtype()).is_ok_and(|d| d.is_float()))
         {
             return Err(AmpError::checkpoint(
                 path,
                 CheckpointErrorKind::Mismatch,
-                format!("`{k}` has dtype {:?}; weights must be f32, f16 or bf16", t.dtype()),
+                format!("`{k}` has dtype {:?}; weights must be f32, f16 or bf16", v.dtype()),
             ));
         }
         let mut loaded = Vec::new();
@@ -360,9 +391,10 @@ impl Amp {
             if unexpected.contains(name) {
                 continue;
             }
-            self.shared
-                .store
-                .write_f32(name, &tensors[name].to_dtype(DType::F32)?)?;
+            let t = file.load(name, self.shared.store.device()).map_err(|e| {
+                AmpError::checkpoint(path, CheckpointErrorKind::Corrupt, format!("`{name}`: {e}"))
+            })?;
+            self.shared.store.write_f32(name, &t.to_dtype(DType::F32)?)?;
             loaded.push(name.clone());
         }
         Ok(LoadReport {
@@ -386,8 +418,8 @@ impl Amp {
             };
             out.insert(p.name.clone(), v);
         }
-        candle_core::safetensors::save(&out, path.as_ref())
-            .map_err(|e| AmpError::checkpoint(path.as_ref(), CheckpointErrorKind::Io, e.to_string()))
+        // Written beside the target and renamed over it: a crash never leaves half a file.
+        crate::checkpoint::write_safetensors_atomic(&out, path.as_ref())
     }
 
     /// The resolved properties.
@@ -416,21 +448,26 @@ impl Amp {
     }
 
     /// An optimizer over every trainable parameter of the store (also ones built later).
-    pub fn optimizer(&self, algo: impl Optimizer + 'static) -> AmpOptimizer {
+    /// An [`AmpError::Ownership`] if another live optimizer of this run already trains one of
+    /// them.
+    pub fn optimizer(&self, algo: impl Optimizer + 'static) -> Result<AmpOptimizer> {
         self.optimizer_for(algo, |_| true)
     }
 
     /// An optimizer over the trainable parameters whose names match `filter` (e.g. a GAN's
-    /// generator: `|n| n.starts_with("gen.")`).
+    /// generator: `|n| n.starts_with("gen.")`). Two live optimizers of one run may not claim
+    /// the same parameter: that is an [`AmpError::Ownership`] naming it (a parameter built
+    /// later and claimed by both is refused at the first backward that reaches it).
     pub fn optimizer_for(
         &self,
         algo: impl Optimizer + 'static,
         filter: impl Fn(&str) -> bool + Send + Sync + 'static,
-    ) -> AmpOptimizer {
+    ) -> Result<AmpOptimizer> {
         AmpOptimizer::new(self.shared.clone(), Box::new(algo), Arc::new(filter))
     }
 
-    /// Installs the stage-2 gradient reducer (data parallel).
+    /// Installs the stage-2 gradient reducer (data parallel); both the guard and
+    /// [`crate::GradScaler`] run it.
     pub fn set_grad_reducer(&self, reducer: Option<Arc<dyn GradReducer>>) {
         *self.shared.reducer.lock().unwrap_or_else(|p| p.into_inner()) = reducer;
     }
@@ -550,6 +587,6 @@ pub fn initialize_on<M>(
             );
         }
     }
-    let opt = amp.optimizer(optimizer);
+    let opt = amp.optimizer(optimizer)?;
     Ok((model, opt, amp))
 }

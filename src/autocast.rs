@@ -6,9 +6,16 @@
 //! [`crate::Amp`] handle) or by a standalone [`scope`], which holds the cast cache, the user's
 //! registrations and the counters.
 //!
-//! * [`enter`] / [`scope`] open a scope and return a guard that restores the previous policy
-//!   when dropped; scopes nest; [`disable`] opens a disabled scope inside an enabled one;
-//!   [`with`] and [`disabled`] are the closure forms.
+//! * [`enter`] / [`scope`] open a scope and return a guard that closes it when dropped;
+//!   scopes nest; [`disable`] opens a disabled scope inside an enabled one; [`with`] and
+//!   [`disabled`] are the closure forms. Each thread keeps a stack of open scopes and the
+//!   policy in effect is the most recently opened one still open, so guards dropped out of
+//!   order still leave exactly the scopes that are open in effect.
+//! * The cast cache holds half casts of f32 parameters (Vars). Each entry carries a
+//!   fingerprint of the f32 data it was cast from and is used only while the data still has
+//!   that fingerprint, so a weight changed in place (an optimizer step, `Var::set`) is never
+//!   served stale. A run's cache is dropped when a `scale_loss` block ends (Apex); a
+//!   standalone [`scope`]'s when the scope closes (PyTorch). Only CPU tensors are cached.
 //! * The policy is per thread: a worker thread starts with no policy. To autocast on a
 //!   worker, take [`current`] on the spawning thread and [`enter`] it on the worker (the
 //!   cast cache is shared and thread-safe).
@@ -23,6 +30,7 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use candle_core::{DType, Tensor, TensorId};
 
+use crate::kernels::fingerprint::fingerprint;
 use crate::store::ParamStore;
 
 /// How an op's floating arguments are cast under autocast.
@@ -124,8 +132,8 @@ impl std::fmt::Debug for CastContext {
 }
 
 impl CastContext {
-    /// A context casting to `half`; `store` supplies the write generation that the cache is
-    /// keyed on (without one, the cache lives as long as the context).
+    /// A context casting to `half`. `store` is the run's parameter store, if any (casts are
+    /// validated by fingerprint either way).
     pub fn new(half: DType, store: Option<ParamStore>, verbosity: u8) -> Self {
         Self {
             half,
@@ -160,30 +168,34 @@ impl CastContext {
         r.get(op).copied().or_else(|| builtin_policy(op))
     }
 
-    fn generation(&self) -> u64 {
-        self.store.as_ref().map_or(0, |s| s.generation())
+    /// The run's parameter store, if this is a run's context.
+    pub fn store(&self) -> Option<&ParamStore> {
+        self.store.as_ref()
     }
 
     /// Casts `t` to `to` if it is a floating tensor other than f64 (integer and f64 tensors
-    /// are never cast). Casts of f32 parameters (Vars) to half are cached until the store
-    /// writes a parameter or the cache is cleared.
+    /// are never cast). Casts of f32 parameters (Vars) on the CPU to half are cached, and a
+    /// cached cast is used only while the parameter's data is unchanged (its fingerprint).
     pub fn cast(&self, t: &Tensor, to: DType) -> candle_core::Result<Tensor> {
         let from = t.dtype();
         if from == to || !eligible(from) {
             return Ok(t.clone());
         }
-        let cacheable = t.is_variable() && from == DType::F32 && to != DType::F32;
-        if cacheable {
-            let generation = self.generation();
+        let print = if t.is_variable() && from == DType::F32 && to != DType::F32 {
+            fingerprint(t)
+        } else {
+            None
+        };
+        if let Some(print) = print {
             let mut c = self.cache.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some((g, cached)) = c.get(&(t.id(), to))
-                && *g == generation
+            if let Some((p, cached)) = c.get(&(t.id(), to))
+                && *p == print
             {
                 self.cache_hits.fetch_add(1, Ordering::Relaxed);
                 return Ok(cached.clone());
             }
             let out = t.to_dtype(to)?;
-            c.insert((t.id(), to), (generation, out.clone()));
+            c.insert((t.id(), to), (print, out.clone()));
             if self.verbosity >= 2 {
                 log::debug!("autocast: cast parameter {:?} {from:?} -> {to:?} (cached)", t.shape());
             }
@@ -224,18 +236,22 @@ impl CastContext {
         self.last_half_ops.load(Ordering::Relaxed)
     }
 
-    /// Ends a step: records its half-op count, warns once if an autocasting run ran no
-    /// autocast op at all, clears the cache.
-    pub fn end_step(&self, expect_ops: bool) {
+    /// Ends a step: records its half-op count, clears the cache, and returns the count and,
+    /// once per context, a warning if an autocasting run ran no autocast op at all (also
+    /// logged).
+    pub fn end_step(&self, expect_ops: bool) -> (usize, Option<String>) {
         let n = self.half_ops.swap(0, Ordering::Relaxed);
         self.last_half_ops.store(n, Ordering::Relaxed);
+        let mut warning = None;
         if expect_ops && n == 0 && !self.warned_no_ops.swap(true, Ordering::Relaxed) {
-            log::warn!(
-                "O1 step ran no autocast op: the model computes in f32 as at O0. Build it with candle_amp::nn \
-                 layers and candle_amp::ops instead of candle_nn and raw tensor methods"
-            );
+            let w = "O1 step ran no autocast op: the model computes in f32 as at O0. Build it with candle_amp::nn \
+                     layers and write its tensor maths with candle_amp::ops instead of candle_nn and raw tensor methods"
+                .to_string();
+            log::warn!("{w}");
+            warning = Some(w);
         }
         self.clear_cache();
+        (n, warning)
     }
 }
 
@@ -266,36 +282,67 @@ impl AutocastPolicy {
 }
 
 thread_local! {
-    static CURRENT: RefCell<Option<AutocastPolicy>> = const { RefCell::new(None) };
+    /// This thread's open scopes, oldest first, each with its guard's id.
+    static SCOPES: RefCell<Vec<(u64, AutocastPolicy)>> = const { RefCell::new(Vec::new()) };
+    static NEXT_SCOPE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
-/// Restores the previous policy when dropped. Not `Send`: a scope belongs to its thread.
+/// Closes its scope when dropped: the scope leaves this thread's stack wherever it is in it,
+/// and the most recently opened scope still open takes effect. Not `Send`: a scope belongs to
+/// its thread.
 #[must_use = "the scope ends when the guard is dropped"]
 #[derive(Debug)]
 pub struct AutocastGuard {
-    prev: Option<AutocastPolicy>,
+    id: Option<u64>,
     _not_send: PhantomData<*const ()>,
 }
 
 impl Drop for AutocastGuard {
     fn drop(&mut self) {
-        let prev = self.prev.take();
+        let Some(id) = self.id else { return };
         // `try_with`: the thread-local may already be gone while the thread exits.
-        let _ = CURRENT.try_with(|c| *c.borrow_mut() = prev);
+        let removed = SCOPES.try_with(|s| {
+            let mut s = s.borrow_mut();
+            s.iter().rposition(|(i, _)| *i == id).map(|k| s.remove(k))
+        });
+        // The policy (and the context it keeps alive) is dropped outside the borrow.
+        drop(removed);
     }
 }
 
 /// Enters `policy` on this thread until the guard drops.
 pub fn enter(policy: AutocastPolicy) -> AutocastGuard {
-    let prev = CURRENT.with(|c| c.borrow_mut().replace(policy));
+    let id = NEXT_SCOPE.with(|n| {
+        let id = n.get();
+        n.set(id + 1);
+        id
+    });
+    SCOPES.with(|s| s.borrow_mut().push((id, policy)));
     AutocastGuard {
-        prev,
+        id: Some(id),
         _not_send: PhantomData,
     }
 }
 
-/// A standalone autocast scope casting to `half` (PyTorch's `autocast`), with a cache that
-/// lives as long as the scope.
+/// A standalone autocast scope casting to `half` (PyTorch's `autocast`), with a cast cache
+/// that lives as long as the scope and never serves a cast of changed data.
+///
+/// ```
+/// use candle_amp::{autocast, ops};
+/// use candle_core::{DType, Device, Tensor};
+/// # fn main() -> candle_core::Result<()> {
+/// let x = Tensor::ones((2, 3), DType::F32, &Device::Cpu)?;
+/// let w = Tensor::ones((3, 4), DType::F32, &Device::Cpu)?;
+/// {
+///     let _scope = autocast::scope(DType::BF16);
+///     assert_eq!(ops::matmul(&x, &w)?.dtype(), DType::BF16);     // half list
+///     assert_eq!(ops::softmax(&x, 1)?.dtype(), DType::F32);      // f32 list
+///     let _off = autocast::disable();
+///     assert_eq!(ops::matmul(&x, &w)?.dtype(), DType::F32);      // disabled inside
+/// }
+/// assert!(!autocast::is_enabled());
+/// # Ok(()) }
+/// ```
 pub fn scope(half: DType) -> AutocastGuard {
     enter(AutocastPolicy::new(Arc::new(CastContext::new(half, None, 0))))
 }
@@ -314,7 +361,7 @@ pub fn disable() -> AutocastGuard {
             context: p.context,
         }),
         None => AutocastGuard {
-            prev: None,
+            id: None,
             _not_send: PhantomData,
         },
     }
@@ -334,12 +381,17 @@ pub fn disabled<R>(f: impl FnOnce() -> R) -> R {
 
 /// This thread's policy, if a scope is open.
 pub fn current() -> Option<AutocastPolicy> {
-    CURRENT.with(|c| c.borrow().clone())
+    SCOPES.with(|s| s.borrow().last().map(|(_, p)| p.clone()))
 }
 
 /// The context of this thread's policy when autocast is enabled.
 pub fn active() -> Option<Arc<CastContext>> {
-    CURRENT.with(|c| c.borrow().as_ref().filter(|p| p.enabled).map(|p| p.context.clone()))
+    SCOPES.with(|s| {
+        s.borrow()
+            .last()
+            .filter(|(_, p)| p.enabled)
+            .map(|(_, p)| p.context.clone())
+    })
 }
 
 /// Whether autocast is enabled on this thread.

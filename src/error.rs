@@ -78,6 +78,15 @@ pub enum AmpError {
         reason: String,
     },
 
+    /// Two optimizers of one run claim the same trainable parameter (each would update it).
+    #[error("parameter `{param}` belongs to two optimizers: {detail}")]
+    Ownership {
+        /// The parameter both claim.
+        param: String,
+        /// Which optimizer owns it and what to do.
+        detail: String,
+    },
+
     /// A tensor had a dtype that the operation cannot take.
     #[error("unsupported dtype {dtype:?} for {op}: {hint}")]
     DType {
@@ -153,6 +162,16 @@ impl AmpError {
             kind,
             detail: detail.into(),
         }
+    }
+
+    /// An I/O error as a checkpoint error (`NotFound` when the file is missing).
+    pub fn io(path: impl AsRef<std::path::Path>, e: std::io::Error) -> Self {
+        let kind = if e.kind() == std::io::ErrorKind::NotFound {
+            CheckpointErrorKind::NotFound
+        } else {
+            CheckpointErrorKind::Io
+        };
+        Self::checkpoint(path, kind, e.to_string())
     }
 
     /// The checkpoint error kind, if this is one.

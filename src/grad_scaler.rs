@@ -11,6 +11,9 @@
 //! scaler.step(opt)                      scaler.step(&mut opt, &grads)?;
 //! scaler.update()                       scaler.update(None)?;
 //! ```
+//!
+//! Gradient accumulation (PyTorch accumulates into `.grad` across backwards): pass every
+//! micro-batch but the last to [`GradScaler::accumulate`], the last to `step` (or `unscale`).
 
 use std::collections::HashMap;
 
@@ -19,10 +22,10 @@ use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{AmpError, Result};
-use crate::guard::stage_unscale;
+use crate::guard::{BackwardReport, run_stages};
 use crate::loss_scale::LossScale;
 use crate::opt_level::DynamicParams;
-use crate::optim::{AmpOptimizer, StepOutcome};
+use crate::optim::{AmpOptimizer, Round, StepOutcome};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Stage {
@@ -51,15 +54,20 @@ pub struct GradScalerState {
 /// A gradient scaler with PyTorch's defaults and rules: initial scale 2^16, growth 2,
 /// backoff 0.5, interval 2000, no floor and no ceiling (so its trajectory is PyTorch's).
 ///
-/// It does not go through [`crate::Amp::scale_loss`], so the O1 cast cache is not cleared
-/// per step and [`crate::Amp::autocast_ops`] is not updated (stale cache entries are never
-/// used: the cache is keyed on the store's write generation).
+/// Its `accumulate`, `unscale` and `step` run the same stages 2 to 4 as the guard
+/// ([`crate::guard`]): the run's [`GradReducer`](crate::GradReducer) if one is installed,
+/// check and unscale (the raw gradient checked first), accumulate into the optimizer's f32
+/// master gradients. It does not go through [`crate::Amp::scale_loss`], so
+/// [`crate::Amp::autocast_ops`] is not updated and the run's cast cache is not cleared per
+/// step (a cached cast is never used once its weight has changed).
 ///
-/// Per optimizer and iteration: `unscale` at most once and before `step`; `step` at most
-/// once (it unscales first if needed, and skips silently, returning
-/// [`StepOutcome::Skipped`], when a gradient is inf or NaN); then one `update` for all
+/// Per optimizer and iteration: any number of `accumulate` calls, then `unscale` at most
+/// once and before `step`; `step` at most once (it unscales the given gradients first if
+/// `unscale` was not called, and skips silently, returning [`StepOutcome::Skipped`], when a
+/// gradient of any accumulated micro-batch was inf or NaN); then one `update` for all
 /// optimizers, which adjusts the scale from every recorded check and resets the stages.
-/// Breaking these rules is an [`AmpError::CallOrder`].
+/// Breaking these rules is an [`AmpError::CallOrder`]. Optimizers are told apart by their
+/// process-unique id, so one scaler serves optimizers of several AMP handles.
 ///
 /// ```
 /// use candle_amp::{self as amp, GradScaler};
@@ -139,54 +147,111 @@ impl GradScaler {
         Ok(loss.to_dtype(DType::F32)?.affine(self.scale.scale() as f64, 0.0)?)
     }
 
-    /// Unscales `grads` into the optimizer's f32 master gradients and records whether any is
-    /// inf or NaN. At most once per optimizer between updates, and not after its `step`.
-    pub fn unscale(&mut self, opt: &mut AmpOptimizer, grads: &GradStore) -> Result<()> {
-        if !self.enabled {
-            let params = opt.trained_vars();
-            let u = stage_unscale(grads, &params, 1.0, false)?;
-            opt.set_unscaled(u.grads, false, Vec::new());
-            return Ok(());
+    /// Stages 2 to 4 on one backward's gradients, as the guard runs them.
+    fn add(&self, opt: &mut AmpOptimizer, grads: &GradStore) -> Result<BackwardReport> {
+        let shared = opt.shared().clone();
+        let scale = self.get_scale();
+        // The stages own (and a reducer rewrites) the gradients: take this optimizer's.
+        let mut own = GradStore::default();
+        for (_, v) in opt.trained_vars()? {
+            if let Some(g) = grads.get(&v) {
+                own.insert(&v, g.clone());
+            }
         }
+        run_stages(
+            &shared,
+            own,
+            &mut [opt],
+            Round::External,
+            scale,
+            false,
+            self.enabled,
+        )
+    }
+
+    fn check_ready(&self, opt: &AmpOptimizer, call: &str) -> Result<()> {
         match self.stages.get(&opt.id()) {
-            Some((Stage::Unscaled, _)) => {
+            Some((Stage::Unscaled, _)) => Err(AmpError::CallOrder(format!(
+                "{call}() after unscale() on this optimizer since the last update(): its gradients were \
+                 already unscaled; call step() and update() first"
+            ))),
+            Some((Stage::Stepped, _)) => Err(AmpError::CallOrder(format!(
+                "{call}() is being called after step(); call update() and zero_grad() first"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Adds one micro-batch's gradients (from `scale(&loss)?.backward()`) to the optimizer's
+    /// f32 master gradients, unscaled and checked, OR-ing its overflow flag into the step's:
+    /// gradient accumulation. Allowed any number of times before this iteration's `unscale` or
+    /// `step`; it records no check for `update` (the step does).
+    ///
+    /// ```
+    /// use candle_amp::{self as amp, GradScaler};
+    /// # fn main() -> anyhow::Result<()> {
+    /// let (model, mut opt, _amp) = amp::initialize(
+    ///     |vb| amp::nn::linear(4, 1, vb.pp("fc")),
+    ///     amp::optim::Sgd::new(amp::optim::SgdConfig::new(0.1))?,
+    ///     amp::OptLevel::O1,
+    /// )?;
+    /// let mut scaler = GradScaler::new();
+    /// let x = candle_core::Tensor::ones((2, 4), candle_core::DType::F32, &candle_core::Device::Cpu)?;
+    /// let micro = |scaler: &GradScaler| -> anyhow::Result<_> {
+    ///     let loss = (amp::ops::mse(&model.forward(&x)?, &x.narrow(1, 0, 1)?)? / 2.0)?;
+    ///     Ok(scaler.scale(&loss)?.backward()?)
+    /// };
+    /// scaler.accumulate(&mut opt, &micro(&scaler)?)?;        // micro-batch 1 of 2
+    /// scaler.step(&mut opt, &micro(&scaler)?)?;              // micro-batch 2, then the step
+    /// scaler.update(None)?;
+    /// opt.zero_grad();
+    /// assert_eq!(opt.steps(), 1);
+    /// # Ok(()) }
+    /// ```
+    pub fn accumulate(&mut self, opt: &mut AmpOptimizer, grads: &GradStore) -> Result<BackwardReport> {
+        self.check_ready(opt, "accumulate")?;
+        self.add(opt, grads)
+    }
+
+    /// Adds `grads` to the optimizer's f32 master gradients (unscaled) and records whether any
+    /// gradient accumulated since the last step is inf or NaN. At most once per optimizer
+    /// between updates, and not after its `step`.
+    pub fn unscale(&mut self, opt: &mut AmpOptimizer, grads: &GradStore) -> Result<()> {
+        match self.stages.get(&opt.id()) {
+            Some((Stage::Unscaled, _)) if self.enabled => {
                 return Err(AmpError::CallOrder(
                     "unscale() has already been called on this optimizer since the last update()".into(),
                 ));
             }
-            Some((Stage::Stepped, _)) => {
+            Some((Stage::Stepped, _)) if self.enabled => {
                 return Err(AmpError::CallOrder("unscale() is being called after step()".into()));
             }
-            None => {}
+            _ => {}
         }
-        let params = opt.trained_vars();
-        let u = stage_unscale(grads, &params, self.scale.unscale_factor(), true)?;
-        opt.set_unscaled(u.grads, u.found_inf, u.nonfinite);
-        self.stages.insert(opt.id(), (Stage::Unscaled, u.found_inf));
+        self.add(opt, grads)?;
+        let found_inf = self.enabled && opt.external_found_inf();
+        self.stages.insert(opt.id(), (Stage::Unscaled, found_inf));
         Ok(())
     }
 
-    /// Steps the optimizer unless a gradient was inf or NaN (then skips silently and says
-    /// so in the outcome). Unscales first if `unscale` was not called.
+    /// Steps the optimizer unless a gradient of any accumulated micro-batch was inf or NaN
+    /// (then skips silently and says so in the outcome). Unscales `grads` first if `unscale`
+    /// was not called (after `unscale`, `grads` is not used again). All or nothing: on an
+    /// error nothing was applied, and the step can be retried.
     pub fn step(&mut self, opt: &mut AmpOptimizer, grads: &GradStore) -> Result<StepOutcome> {
-        if !self.enabled {
-            self.unscale(opt, grads)?;
-            opt.step_external(false)?;
-            return Ok(StepOutcome::Stepped { loss_scale: 1.0 });
-        }
         if let Some((Stage::Stepped, _)) = self.stages.get(&opt.id()) {
             return Err(AmpError::CallOrder(
                 "step() has already been called since the last update()".into(),
             ));
         }
-        if !self.stages.contains_key(&opt.id()) {
+        if !matches!(self.stages.get(&opt.id()), Some((Stage::Unscaled, _))) {
             self.unscale(opt, grads)?;
         }
         let found_inf = self.stages.get(&opt.id()).is_some_and(|s| s.1);
         let nonfinite: Vec<String> = if found_inf { opt.nonfinite_names() } else { Vec::new() };
         opt.step_external(found_inf)?;
         self.stages.insert(opt.id(), (Stage::Stepped, found_inf));
-        let loss_scale = self.scale.scale();
+        let loss_scale = self.get_scale();
         Ok(if found_inf {
             StepOutcome::Skipped { loss_scale, nonfinite }
         } else {
@@ -200,6 +265,7 @@ impl GradScaler {
     /// `new_scale`) it is an error.
     pub fn update(&mut self, new_scale: Option<f32>) -> Result<()> {
         if !self.enabled {
+            self.stages.clear();
             return Ok(());
         }
         match new_scale {

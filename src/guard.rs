@@ -1,26 +1,28 @@
 //! The `scale_loss` guard and its backward pipeline.
 //!
 //! [`ScaleLoss`] holds the loss cast to f32 and multiplied by the current scale. Its
-//! backward is a pipeline of named stages:
+//! backward is a pipeline of named stages, the same for the PyTorch-style
+//! [`GradScaler`](crate::GradScaler):
 //!
 //! 1. [`stage_backward`]: backward on the scaled loss (replaceable: see
 //!    [`ScaleLoss::backward_with`] and [`ScaleLoss::backward_from_grads`] for other drivers,
 //!    such as gradient checkpointing);
-//! 2. [`stage_reduce`]: the [`GradReducer`](crate::GradReducer) hook over the raw gradients
-//!    (a no-op unless one is installed; data parallel all-reduces here);
-//! 3. [`stage_unscale`]: unscale into f32 master gradients and detect inf/NaN in the same
-//!    pass;
-//! 4. [`stage_accumulate`]: add them to each optimizer's master gradients, OR-ing the
-//!    overflow flags, so several backward passes can precede one step.
+//! 2. reduce: the [`GradReducer`](crate::GradReducer) hook over the raw gradients (a no-op
+//!    unless one is installed; data parallel all-reduces here);
+//! 3. [`stage_unscale`]: check each raw gradient for inf/NaN and unscale it into f32 in one
+//!    pass (the overflow flag is then combined through the reducer);
+//! 4. accumulate: add them to each optimizer's master gradients, OR-ing the overflow flags,
+//!    so several backward passes can precede one step.
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 
-use crate::amp::Amp;
+use crate::amp::{Amp, Shared};
 use crate::error::{AmpError, Result};
-use crate::optim::AmpOptimizer;
+use crate::kernels::unscale::{nonfinite, unscale_check as unscale_kernel};
+use crate::optim::{AmpOptimizer, Round};
 
-/// What a backward through the guard found.
+/// What a backward through the guard (or [`crate::GradScaler::accumulate`]) found.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BackwardReport {
     /// Whether the loss or any gradient was inf or NaN (the next step will be skipped).
@@ -29,6 +31,13 @@ pub struct BackwardReport {
     pub nonfinite: Vec<String>,
     /// The scale the loss was multiplied by.
     pub loss_scale: f32,
+    /// At O1: how many ops ran in half precision in this `scale_loss` block (`None` at the
+    /// other levels and on the `GradScaler` path).
+    pub autocast_ops: Option<usize>,
+    /// Things the user should know, once per run: at O1, a block in which no op autocast
+    /// (the model is built from `candle_nn` layers and raw tensor maths, so it computes in
+    /// f32 as at O0). Also logged through `log`.
+    pub warnings: Vec<String>,
 }
 
 /// A scoped guard around one loss, made by [`Amp::scale_loss`].
@@ -42,6 +51,27 @@ pub struct BackwardReport {
 /// leaves everything as it was.
 ///
 /// It dereferences to the scaled loss (f32), for users who drive backward themselves.
+///
+/// ```
+/// use candle_amp as amp;
+/// # fn main() -> anyhow::Result<()> {
+/// let (model, mut opt, amp) = amp::initialize(
+///     |vb| amp::nn::linear(2, 1, vb.pp("fc")),
+///     amp::optim::Sgd::new(amp::optim::SgdConfig::new(0.1))?,
+///     amp::OptLevel::O2,
+/// )?;
+/// let x = candle_core::Tensor::ones((3, 2), candle_core::DType::F32, &candle_core::Device::Cpu)?;
+/// let loss = amp::ops::mse(&model.forward(&x)?, &x.narrow(1, 0, 1)?)?;
+/// let guard = amp.scale_loss(&loss, &mut opt)?;
+/// assert_eq!(guard.loss_scale(), 65536.0);                // O2's initial dynamic scale
+/// assert_eq!(guard.dtype(), candle_core::DType::F32);     // the scaled loss is f32
+/// let report = guard.backward()?;
+/// assert!(!report.found_inf);
+/// assert_eq!(opt.master_grads().len(), 2);                // unscaled f32 gradients
+/// opt.step()?;
+/// opt.zero_grad();
+/// # Ok(()) }
+/// ```
 pub struct ScaleLoss<'a> {
     amp: &'a Amp,
     optimizers: Vec<&'a mut AmpOptimizer>,
@@ -67,11 +97,9 @@ impl std::ops::Deref for ScaleLoss<'_> {
     }
 }
 
-/// Whether any element of `t` is inf or NaN. `t * 0` is NaN exactly where `t` is not finite
-/// and 0 elsewhere, so its sum cannot overflow the way a plain sum of large values can.
+/// Whether any element of `t` is inf or NaN.
 pub fn has_nonfinite(t: &Tensor) -> Result<bool> {
-    let t = t.to_dtype(DType::F32)?;
-    Ok(t.affine(0.0, 0.0)?.sum_all()?.to_scalar::<f32>()?.is_nan())
+    nonfinite(t)
 }
 
 impl<'a> ScaleLoss<'a> {
@@ -134,63 +162,94 @@ impl<'a> ScaleLoss<'a> {
 
     /// Runs stages 2 to 4 on raw gradients obtained elsewhere (they must be gradients of
     /// [`scaled_loss`](Self::scaled_loss), keyed by the working Vars).
-    pub fn backward_from_grads(self, mut grads: GradStore) -> Result<BackwardReport> {
-        let check = self.amp.properties().enabled;
-        let owned: Vec<Vec<(String, Var)>> = self.optimizers.iter().map(|o| o.trained_vars()).collect();
-        let all: Vec<(String, Var)> = owned.iter().flatten().cloned().collect();
-        stage_reduce(self.amp, &mut grads, &all)?;
-        let inv = (1.0f64 / self.scale as f64) as f32;
-        let mut found_inf = self.loss_nonfinite;
-        let mut nonfinite = Vec::new();
-        if self.loss_nonfinite {
-            nonfinite.push("<loss>".to_string());
-        }
-        let mut per_opt = Vec::with_capacity(owned.len());
-        for params in &owned {
-            let u = stage_unscale(&grads, params, inv, check)?;
-            found_inf |= u.found_inf;
-            nonfinite.extend(u.nonfinite.iter().cloned());
-            per_opt.push(u.grads);
-        }
-        if let Some(r) = self
-            .amp
-            .shared
-            .reducer
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-        {
-            found_inf = r.reduce_found_inf(found_inf)?;
-        }
-        nonfinite.sort();
-        nonfinite.dedup();
-        let loss_id = self.loss_id;
-        let amp = self.amp;
-        for (opt, g) in self.optimizers.into_iter().zip(per_opt) {
-            stage_accumulate(opt, loss_id, g, found_inf, nonfinite.clone())?;
-        }
+    pub fn backward_from_grads(self, grads: GradStore) -> Result<BackwardReport> {
+        let ScaleLoss {
+            amp,
+            mut optimizers,
+            loss_id,
+            scale,
+            loss_nonfinite,
+            ..
+        } = self;
+        let check = amp.properties().enabled;
+        let report = run_stages(
+            &amp.shared,
+            grads,
+            &mut optimizers,
+            Round::Loss(loss_id),
+            scale,
+            loss_nonfinite,
+            check,
+        );
         // The block is over: its casts are dropped (weights change at the step).
-        amp.shared.casts.end_step(amp.properties().patch_functions);
-        Ok(BackwardReport {
-            found_inf,
-            nonfinite,
-            loss_scale: self.scale,
-        })
+        let o1 = amp.properties().patch_functions;
+        let (ops, warning) = amp.shared.casts.end_step(o1);
+        let mut report = report?;
+        if o1 {
+            report.autocast_ops = Some(ops);
+        }
+        report.warnings.extend(warning);
+        Ok(report)
     }
+}
+
+/// Stages 2 to 4 over one backward's raw gradients, for both APIs (the guard and
+/// `GradScaler`): the run's reducer (stage 2), unscale and check every optimizer's gradients
+/// (stage 3; the overflow flag combined through the reducer), and accumulate them into the
+/// optimizers (stage 4). Everything that can refuse is checked before any optimizer changes.
+pub(crate) fn run_stages(
+    shared: &Shared,
+    mut grads: GradStore,
+    optimizers: &mut [&mut AmpOptimizer],
+    round: Round,
+    scale: f32,
+    loss_nonfinite: bool,
+    check: bool,
+) -> Result<BackwardReport> {
+    for o in optimizers.iter() {
+        o.check_can_backward()?;
+    }
+    let owned: Vec<Vec<(String, Var)>> = optimizers
+        .iter_mut()
+        .map(|o| o.trained_vars())
+        .collect::<Result<_>>()?;
+    let all: Vec<(String, Var)> = owned.iter().flatten().cloned().collect();
+    let reducer = shared.reducer();
+    if let Some(r) = &reducer {
+        r.reduce(&mut grads, &all)?;
+    }
+    let mut found_inf = loss_nonfinite;
+    let mut nonfinite = Vec::new();
+    if loss_nonfinite {
+        nonfinite.push("<loss>".to_string());
+    }
+    let mut per_opt = Vec::with_capacity(owned.len());
+    for params in &owned {
+        let u = stage_unscale(&grads, params, scale, check)?;
+        found_inf |= u.found_inf;
+        nonfinite.extend(u.nonfinite.iter().cloned());
+        per_opt.push(u.grads);
+    }
+    if let Some(r) = &reducer {
+        found_inf = r.reduce_found_inf(found_inf)?;
+    }
+    nonfinite.sort();
+    nonfinite.dedup();
+    for (opt, g) in optimizers.iter_mut().zip(per_opt) {
+        opt.accumulate(round, g, found_inf, nonfinite.clone())?;
+    }
+    Ok(BackwardReport {
+        found_inf,
+        nonfinite,
+        loss_scale: scale,
+        autocast_ops: None,
+        warnings: Vec::new(),
+    })
 }
 
 /// Stage 1: backward on the scaled loss.
 pub fn stage_backward(scaled_loss: &Tensor) -> Result<GradStore> {
     Ok(scaled_loss.backward()?)
-}
-
-/// Stage 2: the installed [`GradReducer`](crate::GradReducer), if any.
-pub fn stage_reduce(amp: &Amp, grads: &mut GradStore, params: &[(String, Var)]) -> Result<()> {
-    let reducer = amp.shared.reducer.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    if let Some(r) = reducer {
-        r.reduce(grads, params)?;
-    }
-    Ok(())
 }
 
 /// Stage 3's output for one optimizer.
@@ -204,23 +263,14 @@ pub struct Unscaled {
     pub nonfinite: Vec<String>,
 }
 
-/// Unscales one raw gradient into f32: `g * inv`, in f32, as PyTorch does (skipped when
-/// `inv` is 1).
-fn unscale(raw: &Tensor, inv: f32) -> Result<Tensor> {
-    let g = raw.to_dtype(DType::F32)?;
-    Ok(if inv == 1.0 { g } else { g.affine(inv as f64, 0.0)? })
+/// Checks one raw gradient for inf/NaN (PyTorch's order: the raw values first) and unscales
+/// it into a detached f32 tensor; reports whether it held a non-finite value.
+pub fn unscale_check(raw: &Tensor, scale: f32) -> Result<(Tensor, bool)> {
+    unscale_kernel(raw, scale, true)
 }
 
-/// Unscales one raw gradient into f32 and reports whether the result has an inf or NaN.
-pub fn unscale_check(raw: &Tensor, inv: f32) -> Result<(Tensor, bool)> {
-    let g = unscale(raw, inv)?;
-    let bad = has_nonfinite(&g)?;
-    Ok((g, bad))
-}
-
-/// Stage 3: unscale into f32 and detect inf/NaN (skipped when `check` is false, i.e. AMP
-/// disabled).
-pub fn stage_unscale(grads: &GradStore, params: &[(String, Var)], inv: f32, check: bool) -> Result<Unscaled> {
+/// Stage 3: check and unscale into f32 (no check when `check` is false, i.e. AMP disabled).
+pub fn stage_unscale(grads: &GradStore, params: &[(String, Var)], scale: f32, check: bool) -> Result<Unscaled> {
     let mut out = Unscaled {
         grads: Vec::new(),
         found_inf: false,
@@ -230,8 +280,7 @@ pub fn stage_unscale(grads: &GradStore, params: &[(String, Var)], inv: f32, chec
         let Some(raw) = grads.get(var.as_tensor()) else {
             continue;
         };
-        let g = unscale(raw, inv)?;
-        let bad = check && has_nonfinite(&g)?;
+        let (g, bad) = unscale_kernel(raw, scale, check)?;
         if bad {
             out.found_inf = true;
             out.nonfinite.push(name.clone());
@@ -239,15 +288,4 @@ pub fn stage_unscale(grads: &GradStore, params: &[(String, Var)], inv: f32, chec
         out.grads.push((name.clone(), g));
     }
     Ok(out)
-}
-
-/// Stage 4: accumulate into the optimizer's master gradients.
-pub fn stage_accumulate(
-    opt: &mut AmpOptimizer,
-    loss_id: usize,
-    grads: Vec<(String, Tensor)>,
-    found_inf: bool,
-    nonfinite: Vec<String>,
-) -> Result<()> {
-    opt.accumulate(loss_id, grads, found_inf, nonfinite)
 }

@@ -40,6 +40,7 @@ pub mod checkpoint;
 pub mod error;
 pub mod grad_scaler;
 pub mod guard;
+mod kernels;
 pub mod loss_scale;
 pub mod model;
 pub mod nn;

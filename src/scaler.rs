@@ -27,6 +27,23 @@ pub struct ScalerState {
     pub consecutive_skips: u32,
 }
 
+impl ScalerState {
+    /// Takes a saved scaler's progress while keeping this scaler's settings: where both are
+    /// dynamic, the scale (clamped into this floor and ceiling), the growth tracker and the
+    /// hysteresis left; always the counters.
+    pub(crate) fn restore_from(&mut self, saved: &ScalerState) {
+        if let (LossScale::Dynamic(d), LossScale::Dynamic(s)) = (&mut self.scale, &saved.scale) {
+            // max/min rather than clamp: clamp panics on an inverted range.
+            d.scale = s.scale.max(d.min_scale).min(d.max_scale);
+            d.growth_tracker = s.growth_tracker;
+            d.hysteresis_left = s.hysteresis_left.clamp(1, d.hysteresis.max(1));
+        }
+        self.updates = saved.updates;
+        self.total_skips = saved.total_skips;
+        self.consecutive_skips = saved.consecutive_skips;
+    }
+}
+
 #[derive(Debug, Clone)]
 pub(crate) struct ScalerSlot {
     pub state: ScalerState,

@@ -161,7 +161,7 @@ fn the_cast_cache_is_reused_and_invalidated_by_weight_changes() {
             Ok(amp::nn::Linear::new(w, None))
         })
         .unwrap();
-    let mut opt = amp.optimizer(Sgd::new(SgdConfig::new(0.1)).unwrap());
+    let mut opt = amp.optimizer(Sgd::new(SgdConfig::new(0.1)).unwrap()).unwrap();
     let ctx = amp.cast_context().clone();
     let (x, y) = batches(1, 9).remove(0);
     for step in 0..3 {

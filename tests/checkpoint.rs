@@ -48,6 +48,15 @@ fn train_step(model: &amp::AmpModel<TwoLinear>, opt: &mut amp::AmpOptimizer, amp
     opt.zero_grad();
 }
 
+/// A checkpoint's weights as bit patterns, by name.
+fn bits(ck: &Checkpoint) -> std::collections::BTreeMap<String, Vec<u32>> {
+    ck.weights()
+        .unwrap()
+        .iter()
+        .map(|(k, t)| (k.clone(), flat(t).into_iter().map(f32::to_bits).collect()))
+        .collect()
+}
+
 fn level_from_env() -> OptLevel {
     std::env::var("CKPT_LEVEL").unwrap().parse().unwrap()
 }
@@ -65,8 +74,9 @@ fn child(test: &str, envs: &[(&str, String)]) -> Command {
 #[test]
 #[ignore = "run as a child process by resume_in_a_new_process_is_bitwise_exact"]
 fn child_resume_ten_more() {
-    let Ok(src) = std::env::var("CKPT_SRC") else { return };
-    let dst = std::env::var("CKPT_DST").unwrap();
+    // Run by the test named above, which sets these; alone it must fail, not pass.
+    let src = std::env::var("CKPT_SRC").expect("CKPT_SRC: run by resume_in_a_new_process_is_bitwise_exact");
+    let dst = std::env::var("CKPT_DST").expect("CKPT_DST: run by resume_in_a_new_process_is_bitwise_exact");
     let (model, mut opt, amp) = setup(level_from_env());
     let ck = CheckpointDir::new(&src, 2).load().unwrap();
     ck.restore(&amp, &mut [&mut opt]).unwrap();
@@ -74,7 +84,7 @@ fn child_resume_ten_more() {
         train_step(&model, &mut opt, &amp);
     }
     CheckpointDir::new(&dst, 2)
-        .save(&Checkpoint::capture(&amp, &[&opt], ck.step + 10).unwrap())
+        .save(&amp, &[&opt], ck.step() + 10, serde_json::Value::Null)
         .unwrap();
 }
 
@@ -88,7 +98,7 @@ fn resume_in_a_new_process_is_bitwise_exact() {
             train_step(&model, &mut opt, &amp);
         }
         CheckpointDir::new(dir.join("a"), 2)
-            .save(&Checkpoint::capture(&amp, &[&opt], 10).unwrap())
+            .save(&amp, &[&opt], 10, serde_json::Value::Null)
             .unwrap();
         // A new process loads and runs 10 more.
         let st = child(
@@ -110,10 +120,14 @@ fn resume_in_a_new_process_is_bitwise_exact() {
         }
         let straight = Checkpoint::capture(&amp, &[&opt], 20).unwrap();
         let resumed = CheckpointDir::new(dir.join("b"), 2).load().unwrap();
-        assert_eq!(resumed.step, 20);
-        assert_eq!(resumed.amp.weights, straight.amp.weights, "{level}: weights");
-        assert_eq!(resumed.optimizers, straight.optimizers, "{level}: optimizer state");
-        assert_eq!(resumed.amp.scalers, straight.amp.scalers, "{level}: scaler state");
+        assert_eq!(resumed.step(), 20);
+        assert_eq!(bits(&resumed), bits(&straight), "{level}: weights");
+        assert_eq!(
+            resumed.optimizer_states().unwrap(),
+            straight.optimizer_states().unwrap(),
+            "{level}: optimizer state"
+        );
+        assert_eq!(resumed.scaler_states(), straight.scaler_states(), "{level}: scaler state");
         assert_eq!(resumed, straight, "{level}: everything, generators included");
         std::fs::remove_dir_all(&dir).unwrap();
     }
@@ -122,20 +136,20 @@ fn resume_in_a_new_process_is_bitwise_exact() {
 #[test]
 #[ignore = "run as a child process by a_crash_while_saving_leaves_the_previous_checkpoint_loadable"]
 fn child_save_forever() {
-    let Ok(dir) = std::env::var("CKPT_CRASH_DIR") else {
-        return;
-    };
+    // Run by the test named above, which sets this; alone it must fail, not pass.
+    let dir = std::env::var("CKPT_CRASH_DIR")
+        .expect("CKPT_CRASH_DIR: run by a_crash_while_saving_leaves_the_previous_checkpoint_loadable");
     let (model, mut opt, amp) = setup(OptLevel::O2);
     let ckpts = CheckpointDir::new(&dir, 2);
     let mut step = 0;
     if let Ok(ck) = ckpts.load() {
         ck.restore(&amp, &mut [&mut opt]).unwrap();
-        step = ck.step;
+        step = ck.step();
     }
     loop {
         train_step(&model, &mut opt, &amp);
         step += 1;
-        ckpts.save(&Checkpoint::capture(&amp, &[&opt], step).unwrap()).unwrap();
+        ckpts.save(&amp, &[&opt], step, serde_json::Value::Null).unwrap();
     }
 }
 
@@ -145,7 +159,7 @@ fn a_crash_while_saving_leaves_the_previous_checkpoint_loadable() {
     let ckpts = CheckpointDir::new(&dir, 2);
     {
         let (_, opt, amp) = setup(OptLevel::O2);
-        ckpts.save(&Checkpoint::capture(&amp, &[&opt], 0).unwrap()).unwrap();
+        ckpts.save(&amp, &[&opt], 0, serde_json::Value::Null).unwrap();
     }
     let mut rng = ChaCha8Rng::seed_from_u64(42);
     let mut last = 0;
@@ -160,9 +174,9 @@ fn a_crash_while_saving_leaves_the_previous_checkpoint_loadable() {
         c.kill().unwrap(); // SIGKILL
         c.wait().unwrap();
         let ck = ckpts.load().expect("the previous checkpoint must load and verify");
-        assert!(ck.step >= last, "steps never go back");
-        advanced += (ck.step > last) as u32;
-        last = ck.step;
+        assert!(ck.step() >= last, "steps never go back");
+        advanced += (ck.step() > last) as u32;
+        last = ck.step();
         let (_, mut opt, amp) = setup(OptLevel::O2);
         ck.restore(&amp, &mut [&mut opt]).unwrap();
     }
@@ -201,7 +215,7 @@ fn bad_checkpoints_are_typed_errors_that_change_nothing() {
     let (model, mut opt, amp) = setup(OptLevel::O2);
     train_step(&model, &mut opt, &amp);
     let good = Checkpoint::capture(&amp, &[&opt], 1).unwrap();
-    let vdir = CheckpointDir::new(&dir, 2).save(&good).unwrap();
+    let vdir = CheckpointDir::new(&dir, 2).save_checkpoint(&good).unwrap();
     let pristine = snapshot_dir(&dir);
 
     let check = |damage: &dyn Fn(&Path), kind: Kind| {
@@ -258,23 +272,57 @@ fn bad_checkpoints_are_typed_errors_that_change_nothing() {
         },
         Kind::NewerFormat,
     );
+    check(&|v| flip(&v.join("optimizer.safetensors")), Kind::Corrupt);
     check(
-        &|v| std::fs::write(v.parent().unwrap().join("LATEST"), "garbage").unwrap(),
-        Kind::Corrupt,
+        &|v| std::fs::remove_file(v.join("optimizer.safetensors")).unwrap(),
+        Kind::MissingFile,
     );
     check(
         &|v| std::fs::remove_file(v.parent().unwrap().join("LATEST")).unwrap(),
         Kind::NotFound,
     );
 
+    // A damaged pointer: the newest version that verifies loads, the load says so, and
+    // nothing on disk changes; the next save works and repairs the pointer.
+    for garbage in ["garbage", "v00000099\n"] {
+        let case = tmpdir("bad-pointer");
+        for (p, bytes) in &pristine {
+            let q = case.join(p.strip_prefix(&dir).unwrap());
+            std::fs::create_dir_all(q.parent().unwrap()).unwrap();
+            std::fs::write(&q, bytes).unwrap();
+        }
+        std::fs::write(case.join("LATEST"), garbage).unwrap();
+        let before_disk = snapshot_dir(&case);
+        let ck = CheckpointDir::new(&case, 2).load().unwrap();
+        assert!(ck.recovered_from().unwrap().contains("v00000001"), "{:?}", ck.recovered_from());
+        assert_eq!(ck, good);
+        assert_eq!(snapshot_dir(&case), before_disk, "a load changes nothing on disk");
+        let v2 = CheckpointDir::new(&case, 2)
+            .save(&amp, &[&opt], 2, serde_json::Value::Null)
+            .unwrap();
+        assert_eq!(std::fs::read_to_string(case.join("LATEST")).unwrap().trim(), "v00000002");
+        assert!(v2.ends_with("v00000002"));
+        let back = CheckpointDir::new(&case, 2).load().unwrap();
+        assert!(back.recovered_from().is_none());
+        assert_eq!(back.step(), 2);
+        std::fs::remove_dir_all(&case).unwrap();
+    }
+
     // From a different model: names, then shapes.
     let other = amp::Amp::new(AmpConfig::new(OptLevel::O2).verbosity(0), &Device::Cpu).unwrap();
     other.model(|vb| candle_nn::linear(8, 8, vb.pp("l1"))).unwrap();
-    let mut o = other.optimizer(AdamW::new(Default::default()).unwrap());
+    let mut o = other.optimizer(AdamW::new(Default::default()).unwrap()).unwrap();
     let before = other.state_dict().unwrap();
-    let e = good.restore(&other, &mut [&mut o]).unwrap_err();
+    let loaded = CheckpointDir::new(&dir, 2).load().unwrap();
+    let e = loaded.restore(&other, &mut [&mut o]).unwrap_err();
     assert_eq!(e.checkpoint_kind(), Some(Kind::Mismatch));
     assert!(e.to_string().contains("l2.weight"), "{e}");
+    assert!(
+        e.to_string().contains(&vdir.display().to_string()),
+        "the error names the checkpoint's path: {e}"
+    );
+    let e = good.restore(&other, &mut [&mut o]).unwrap_err();
+    assert!(e.to_string().contains("captured at step 1"), "{e}");
     assert_eq!(other.state_dict().unwrap(), before);
     let other = amp::Amp::new(AmpConfig::new(OptLevel::O2).verbosity(0), &Device::Cpu).unwrap();
     other
@@ -283,7 +331,7 @@ fn bad_checkpoints_are_typed_errors_that_change_nothing() {
             candle_nn::linear(8, 4, vb.pp("l2"))
         })
         .unwrap();
-    let mut o = other.optimizer(AdamW::new(Default::default()).unwrap());
+    let mut o = other.optimizer(AdamW::new(Default::default()).unwrap()).unwrap();
     let e = good.restore(&other, &mut [&mut o]).unwrap_err();
     assert!(
         e.to_string().contains("shape mismatch") && e.to_string().contains("l2.weight"),
@@ -314,14 +362,20 @@ fn fuzzed_checkpoint_files_never_panic_and_never_load_wrong() {
     let (model, mut opt, amp) = setup(OptLevel::O2);
     train_step(&model, &mut opt, &amp);
     let good = Checkpoint::capture(&amp, &[&opt], 1).unwrap();
-    let vdir = CheckpointDir::new(&dir, 2).save(&good).unwrap();
-    let files: Vec<PathBuf> = ["weights.safetensors", "state.json", "manifest.json"]
-        .iter()
-        .map(|f| vdir.join(f))
-        .chain([dir.join("LATEST")])
-        .collect();
+    let vdir = CheckpointDir::new(&dir, 2).save_checkpoint(&good).unwrap();
+    let files: Vec<PathBuf> = [
+        "weights.safetensors",
+        "optimizer.safetensors",
+        "state.json",
+        "manifest.json",
+    ]
+    .iter()
+    .map(|f| vdir.join(f))
+    .chain([dir.join("LATEST")])
+    .collect();
     let mut rng = ChaCha8Rng::seed_from_u64(7);
     let mut errors = 0;
+    let mut recovered = 0;
     for round in 0..300 {
         let f = &files[round % files.len()];
         let orig = std::fs::read(f).unwrap();
@@ -338,12 +392,20 @@ fn fuzzed_checkpoint_files_never_panic_and_never_load_wrong() {
         let res = std::panic::catch_unwind(|| CheckpointDir::new(&dir, 2).load());
         let res = res.unwrap_or_else(|_| panic!("the reader panicked on a damaged {}", f.display()));
         match res {
-            Ok(ck) => assert_eq!(ck, good, "a damaged file loaded as something else"),
-            Err(_) => errors += 1,
+            Ok(ck) => {
+                assert_eq!(ck, good, "a damaged file loaded as something else");
+                recovered += ck.recovered_from().is_some() as u32;
+            }
+            // A damaged pointer is recovered from the version that verifies.
+            Err(e) => {
+                assert!(!f.ends_with("LATEST"), "a damaged LATEST must be recovered: {e}");
+                errors += 1;
+            }
         }
         std::fs::write(f, &orig).unwrap();
     }
-    assert!(errors > 250, "damage must be detected: {errors}/300");
+    assert!(errors > 225, "damage to a version must be detected: {errors}/240");
+    assert!(recovered > 40, "damaged pointers are recovered and reported: {recovered}/60");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -354,7 +416,7 @@ fn checkpoints_move_between_levels_and_keep_the_last_k() {
     let (model, mut opt, amp) = setup(OptLevel::O2);
     for s in 0..4 {
         train_step(&model, &mut opt, &amp);
-        ckpts.save(&Checkpoint::capture(&amp, &[&opt], s + 1).unwrap()).unwrap();
+        ckpts.save(&amp, &[&opt], s + 1, serde_json::Value::Null).unwrap();
     }
     let names: Vec<String> = std::fs::read_dir(&dir)
         .unwrap()
@@ -362,7 +424,7 @@ fn checkpoints_move_between_levels_and_keep_the_last_k() {
         .collect();
     assert_eq!(names.iter().filter(|n| n.starts_with('v')).count(), 2, "{names:?}");
     let ck = ckpts.load().unwrap();
-    assert_eq!(ck.step, 4);
+    assert_eq!(ck.step(), 4);
     // O2 -> O0: the f32 masters load exactly; O0 keeps its static scale.
     let (_, mut opt0, amp0) = setup(OptLevel::O0);
     ck.restore(&amp0, &mut [&mut opt0]).unwrap();
@@ -406,7 +468,7 @@ fn weights_load_into_a_plain_candle_model() {
     let (model, mut opt, amp) = setup(OptLevel::O2);
     train_step(&model, &mut opt, &amp);
     let ckpts = CheckpointDir::new(&dir, 1);
-    ckpts.save(&Checkpoint::capture(&amp, &[&opt], 1).unwrap()).unwrap();
+    ckpts.save(&amp, &[&opt], 1, serde_json::Value::Null).unwrap();
     let mut vm = candle_nn::VarMap::new();
     let plain = TwoLinear::new(vb_of(&vm)).unwrap();
     vm.load(ckpts.latest_weights().unwrap()).unwrap();
@@ -536,10 +598,10 @@ fn non_finite_settings_and_values_survive_a_checkpoint() {
     }
     amp.set_scaler_state(0, st).unwrap();
     let ck = Checkpoint::capture(&amp, &[&opt], 1).unwrap();
-    CheckpointDir::new(&dir, 1).save(&ck).unwrap();
+    CheckpointDir::new(&dir, 1).save_checkpoint(&ck).unwrap();
     let back = CheckpointDir::new(&dir, 1).load().unwrap();
     assert_eq!(back, ck);
-    assert_eq!(back.amp.properties.max_loss_scale, f32::INFINITY);
+    assert_eq!(back.properties().max_loss_scale, f32::INFINITY);
     let (_, mut opt2, amp2) = amp::initialize(TwoLinear::new, AdamW::new(Default::default()).unwrap(), cfg).unwrap();
     back.restore(&amp2, &mut [&mut opt2]).unwrap();
     assert_eq!(amp2.loss_scale(0).unwrap(), 0.0);
@@ -552,5 +614,84 @@ fn non_finite_settings_and_values_survive_a_checkpoint() {
     let u: amp::optim::TensorData = serde_json::from_str(&j).unwrap();
     assert_eq!(&u.data[..3], &t.data[..3]);
     assert!(u.data[3].is_nan());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn loads_never_read_a_version_a_concurrent_save_prunes() {
+    let dir = tmpdir("concurrent");
+    let ckpts = CheckpointDir::new(&dir, 1);
+    let (model, mut opt, amp) = setup(OptLevel::O2);
+    train_step(&model, &mut opt, &amp);
+    ckpts.save(&amp, &[&opt], 1, serde_json::Value::Null).unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let saver = {
+        let (dir, stop) = (dir.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let (model, mut opt, amp) = setup(OptLevel::O2);
+            let ckpts = CheckpointDir::new(&dir, 1);
+            let mut n = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                train_step(&model, &mut opt, &amp);
+                n += 1;
+                ckpts.save(&amp, &[&opt], n, serde_json::Value::Null).unwrap();
+            }
+            n
+        })
+    };
+    let mut loads = 0;
+    let t0 = std::time::Instant::now();
+    while t0.elapsed() < std::time::Duration::from_secs(2) {
+        let ck = ckpts.load().expect("a load never sees a version vanish");
+        let (_, mut o, a) = setup(OptLevel::O2);
+        ck.restore(&a, &mut [&mut o]).unwrap();
+        loads += 1;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let saves = saver.join().unwrap();
+    assert!(saves > 3 && loads > 3, "{saves} saves, {loads} loads");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn export_half_replaces_the_file_atomically() {
+    let dir = tmpdir("export-atomic");
+    let (_, _, amp) = setup(OptLevel::O2);
+    let p = dir.join("model.safetensors");
+    std::fs::write(&p, b"the previous export").unwrap();
+    // The temporary file cannot be written: the previous export must stay whole.
+    std::fs::create_dir(dir.join(".model.safetensors.tmp")).unwrap();
+    assert!(amp.export_half(&p).is_err());
+    assert_eq!(std::fs::read(&p).unwrap(), b"the previous export");
+    std::fs::remove_dir(dir.join(".model.safetensors.tmp")).unwrap();
+    amp.export_half(&p).unwrap();
+    let m = candle_core::safetensors::load(&p, &Device::Cpu).unwrap();
+    assert_eq!(m["l1.weight"].dtype(), DType::F16);
+    let names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(names.len(), 1, "no temporary file is left: {names:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn optimizer_state_is_in_safetensors_and_json_holds_no_tensor() {
+    let dir = tmpdir("layout");
+    let (model, mut opt, amp) = setup(OptLevel::O2);
+    for _ in 0..3 {
+        train_step(&model, &mut opt, &amp);
+    }
+    let v = CheckpointDir::new(&dir, 1)
+        .save(&amp, &[&opt], 3, serde_json::json!({"epoch": 1}))
+        .unwrap();
+    let bufs = candle_core::safetensors::load(v.join("optimizer.safetensors"), &Device::Cpu).unwrap();
+    let st = opt.state_dict().unwrap();
+    for (name, ps) in &st.algorithm.params {
+        for (b, t) in &ps.buffers {
+            let saved = &bufs[&format!("0/{name}/{b}")];
+            assert_eq!(flat(saved), flat(t), "{name} {b}");
+        }
+    }
+    let json = std::fs::read_to_string(v.join("state.json")).unwrap();
+    assert!(json.len() < 4096, "state.json holds scalars and names only ({} bytes)", json.len());
+    assert!(!json.contains("exp_avg_sq\":{"), "no buffer values in JSON");
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -212,7 +212,7 @@ fn batch_norm_matches_candle_nn_in_f32_and_trains_in_half() {
     for level in [OptLevel::O2, OptLevel::O3] {
         let amp = amp::Amp::new(level, &Device::Cpu).unwrap();
         let bn = amp.model(|vb| amp::nn::batch_norm(2, 1e-5, vb.pp("bn"))).unwrap();
-        let mut opt = amp.optimizer(sgd(0.1));
+        let mut opt = amp.optimizer(sgd(0.1)).unwrap();
         let y = bn.forward(&x).unwrap();
         assert_eq!(y.dtype(), DType::F32, "outputs are cast to f32");
         let loss = (y.sqr().unwrap()
@@ -252,7 +252,7 @@ fn groups_frozen_and_gradless_parameters() {
     let amp = amp::Amp::new(OptLevel::O2, &Device::Cpu).unwrap();
     let model = amp.model(TwoLinear::new).unwrap();
     let _unused = amp.var_builder().get((3,), "unused.w").unwrap();
-    let mut opt = amp.optimizer(amp::optim::AdamW::new(Default::default()).unwrap());
+    let mut opt = amp.optimizer(amp::optim::AdamW::new(Default::default()).unwrap()).unwrap();
     let g = opt.add_param_group("frozen_lr", |n| n.starts_with("l2."), Some(0.0), Some(0.0));
     assert_eq!(opt.groups()[g].params, vec!["l2.weight", "l2.bias"]);
     assert_eq!(opt.lr(g).unwrap(), 0.0);
@@ -303,15 +303,15 @@ fn the_candle_adapter_equals_our_sgd_at_o2_and_refuses_o3() {
         }
         Ok::<_, AmpError>(store_values(amp.store()))
     };
-    let ours = run(Box::new(|a| a.optimizer(sgd(0.1))), OptLevel::O2).unwrap();
+    let ours = run(Box::new(|a| a.optimizer(sgd(0.1)).unwrap()), OptLevel::O2).unwrap();
     let adapted = run(
-        Box::new(|a| a.optimizer(CandleOptimizer::<candle_nn::SGD>::new(0.1, 0.1))),
+        Box::new(|a| a.optimizer(CandleOptimizer::<candle_nn::SGD>::new(0.1, 0.1)).unwrap()),
         OptLevel::O2,
     )
     .unwrap();
     assert_eq!(ours, adapted);
     let e = run(
-        Box::new(|a| a.optimizer(CandleOptimizer::<candle_nn::SGD>::new(0.1, 0.1))),
+        Box::new(|a| a.optimizer(CandleOptimizer::<candle_nn::SGD>::new(0.1, 0.1)).unwrap()),
         OptLevel::O3,
     )
     .unwrap_err();
@@ -363,7 +363,7 @@ fn unmodified_candle_layers_train_at_every_level() {
                 })
             })
             .unwrap();
-        let mut opt = amp.optimizer(amp::optim::AdamW::new(Default::default()).unwrap());
+        let mut opt = amp.optimizer(amp::optim::AdamW::new(Default::default()).unwrap()).unwrap();
         let mut losses = Vec::new();
         for _ in 0..10 {
             let n = net.inner();
@@ -424,8 +424,8 @@ fn foreign_optimizers_bad_clip_norms_and_dropped_optimizers() {
     // An optimizer dropped with pending gradients does not hold the scaler's round open.
     let amp = amp::Amp::new(OptLevel::O2, &Device::Cpu).unwrap();
     let m = amp.model(TwoLinear::new).unwrap();
-    let mut o1 = amp.optimizer_for(sgd(0.1), |n| n.starts_with("l1."));
-    let mut o2 = amp.optimizer_for(sgd(0.1), |n| n.starts_with("l2."));
+    let mut o1 = amp.optimizer_for(sgd(0.1), |n| n.starts_with("l1.")).unwrap();
+    let mut o2 = amp.optimizer_for(sgd(0.1), |n| n.starts_with("l2.")).unwrap();
     let loss = (one_step_loss(&m, 2) * f64::INFINITY).unwrap();
     amp.scale_loss_multi(&loss, 0, vec![&mut o1, &mut o2])
         .unwrap()

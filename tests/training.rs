@@ -226,8 +226,8 @@ fn two_losses_two_scalers_two_optimizers_skip_only_what_overflowed() {
     let amp = amp::Amp::new(cfg, &candle_core::Device::Cpu).unwrap();
     let a = amp.model(|vb| TwoLinear::new(vb.pp("a"))).unwrap();
     let b = amp.model(|vb| TwoLinear::new(vb.pp("b"))).unwrap();
-    let mut opt_a = amp.optimizer_for(sgd(0.1), |n| n.starts_with("a."));
-    let mut opt_b = amp.optimizer_for(sgd(0.1), |n| n.starts_with("b."));
+    let mut opt_a = amp.optimizer_for(sgd(0.1), |n| n.starts_with("a.")).unwrap();
+    let mut opt_b = amp.optimizer_for(sgd(0.1), |n| n.starts_with("b.")).unwrap();
     assert!(opt_a.param_names().iter().all(|n| n.starts_with("a.")));
     assert_eq!(opt_a.param_names().len(), 4);
     let data = batches(4, 6);
@@ -263,8 +263,8 @@ fn two_losses_two_scalers_two_optimizers_skip_only_what_overflowed() {
 fn several_optimizers_in_one_block_all_skip_on_overflow() {
     let amp = amp::Amp::new(OptLevel::O2, &candle_core::Device::Cpu).unwrap();
     let m = amp.model(TwoLinear::new).unwrap();
-    let mut o1 = amp.optimizer_for(sgd(0.1), |n| n.starts_with("l1."));
-    let mut o2 = amp.optimizer_for(sgd(0.1), |n| n.starts_with("l2."));
+    let mut o1 = amp.optimizer_for(sgd(0.1), |n| n.starts_with("l1.")).unwrap();
+    let mut o2 = amp.optimizer_for(sgd(0.1), |n| n.starts_with("l2.")).unwrap();
     let (x, y) = &batches(1, 7)[0];
     let loss = candle_nn::loss::mse(&m.forward(x).unwrap(), y).unwrap();
     amp.scale_loss_multi(&loss, 0, vec![&mut o1, &mut o2])

@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use candle_amp as amp;
-use candle_amp::checkpoint::{Checkpoint, CheckpointDir};
+use candle_amp::checkpoint::CheckpointDir;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::ModuleT;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -273,7 +273,7 @@ fn train_one(kind: ModelKind, task: &Task, level: amp::OptLevel, a: &Args) -> Re
             }
         })
     })?;
-    let mut opt = amp.optimizer(adamw);
+    let mut opt = amp.optimizer(adamw)?;
     let param_dtype = amp
         .store()
         .params()
@@ -291,8 +291,8 @@ fn train_one(kind: ModelKind, task: &Task, level: amp::OptLevel, a: &Args) -> Re
             .load()
             .with_context(|| format!("resuming {level} from {}", dir.root().display()))?;
         ck.restore(&amp, &mut [&mut opt])?;
-        progress = serde_json::from_value(ck.extra.clone()).context("the checkpoint's example progress")?;
-        start = ck.step as usize;
+        progress = serde_json::from_value(ck.extra().clone()).context("the checkpoint's example progress")?;
+        start = ck.step() as usize;
         if start > a.steps {
             bail!(
                 "the checkpoint in {} is at step {start}, beyond --steps {}",
@@ -347,9 +347,12 @@ fn train_one(kind: ModelKind, task: &Task, level: amp::OptLevel, a: &Args) -> Re
     pb.finish_and_clear();
     if let Some(root) = &a.save {
         let dir = run_dir(root, kind, level, a.half);
-        let mut ck = Checkpoint::capture(&amp, &[&opt], progress.losses.len() as u64)?;
-        ck.extra = serde_json::to_value(&progress)?;
-        dir.save(&ck)?;
+        dir.save(
+            &amp,
+            &[&opt],
+            progress.losses.len() as u64,
+            serde_json::to_value(&progress)?,
+        )?;
     }
 
     let losses = &progress.losses;

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use candle_core::Tensor;
 
-use super::{GroupHyper, Optimizer, OptimizerState, ParamState, ParamUpdate, TensorData};
+use super::{GroupHyper, Optimizer, OptimizerState, ParamState, ParamUpdate};
 use crate::error::{AmpError, Result};
 
 /// AdamW settings (candle-nn's and PyTorch's defaults).
@@ -118,17 +118,19 @@ impl Optimizer for AdamW {
         let next_theta = (theta * (1f64 - lr * wd))?;
         let adjusted = (m_hat / (v_hat.sqrt()? + c.eps)?)?;
         let next_theta = (next_theta - (adjusted * lr)?)?;
-        st.m = next_m;
-        st.v = next_v;
-        Ok(next_theta)
+        // Detached: state must never keep a step's graph alive.
+        st.m = next_m.detach();
+        st.v = next_v.detach();
+        Ok(next_theta.detach())
     }
 
     fn state_dict(&self) -> Result<OptimizerState> {
         let mut params = BTreeMap::new();
         for (name, st) in &self.state {
             let mut buffers = BTreeMap::new();
-            buffers.insert("exp_avg".to_string(), TensorData::from_tensor(&st.m)?);
-            buffers.insert("exp_avg_sq".to_string(), TensorData::from_tensor(&st.v)?);
+            // The moments are replaced, never written in place, so sharing them is a snapshot.
+            buffers.insert("exp_avg".to_string(), st.m.clone());
+            buffers.insert("exp_avg_sq".to_string(), st.v.clone());
             params.insert(name.clone(), ParamState { step: st.step, buffers });
         }
         Ok(OptimizerState {
@@ -164,8 +166,8 @@ impl Optimizer for AdamW {
                 name.clone(),
                 Moments {
                     step: ps.step,
-                    m: get("exp_avg")?.to_tensor(&candle_core::Device::Cpu)?,
-                    v: get("exp_avg_sq")?.to_tensor(&candle_core::Device::Cpu)?,
+                    m: get("exp_avg")?.to_dtype(candle_core::DType::F32)?.detach(),
+                    v: get("exp_avg_sq")?.to_dtype(candle_core::DType::F32)?.detach(),
                 },
             );
         }

@@ -3,6 +3,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use candle_core::{DType, Tensor, Var};
 use serde::{Deserialize, Serialize};
@@ -56,7 +57,21 @@ pub struct ParamGroup {
     pub params: Vec<String>,
 }
 
-type Filter = Arc<dyn Fn(&str) -> bool + Send + Sync>;
+pub(crate) type Filter = Arc<dyn Fn(&str) -> bool + Send + Sync>;
+
+/// Optimizer ids are unique in the process, so one `GradScaler` can serve optimizers of
+/// several AMP handles.
+static NEXT_ID: AtomicUsize = AtomicUsize::new(0);
+
+/// Which loss scaler a backward's gradients were scaled by: one of the run's, or an outside
+/// one (the PyTorch-style `GradScaler`, which owns its scale).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Round {
+    /// The run's scaler of this loss id.
+    Loss(usize),
+    /// A `GradScaler`.
+    External,
+}
 
 fn check_hyper(property: &'static str, v: f64) -> Result<()> {
     if v.is_finite() && v >= 0.0 {
@@ -115,10 +130,14 @@ pub struct AmpOptimizer {
     id: usize,
     shared: Arc<Shared>,
     algo: Box<dyn Optimizer>,
+    /// Which trainable parameters this optimizer owns; groups choose among these only.
+    claim: Filter,
+    /// Store parameters already checked against other optimizers' claims.
+    checked: usize,
     groups: Vec<GroupSpec>,
     grads: BTreeMap<String, Tensor>,
     stage: Stage,
-    found_inf: BTreeMap<usize, bool>,
+    found_inf: BTreeMap<Round, bool>,
     nonfinite: BTreeSet<String>,
     micro_batches: u32,
     steps: u64,
@@ -127,9 +146,11 @@ pub struct AmpOptimizer {
 }
 
 impl Drop for AmpOptimizer {
-    /// An optimizer dropped with gradients pending must not leave a scaler waiting for it.
+    /// An optimizer dropped with gradients pending must not leave a scaler waiting for it,
+    /// and its parameters may be claimed by another optimizer afterwards.
     fn drop(&mut self) {
         self.withdraw_all();
+        self.shared.claims_mut().remove(&self.id);
     }
 }
 
@@ -147,16 +168,22 @@ impl std::fmt::Debug for AmpOptimizer {
 }
 
 impl AmpOptimizer {
-    pub(crate) fn new(shared: Arc<Shared>, algo: Box<dyn Optimizer>, filter: Filter) -> Self {
-        let id = shared.next_opt_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    /// An optimizer over the trainable parameters `claim` selects. Two optimizers of one run
+    /// may not claim the same trainable parameter (each would update it): that is an
+    /// [`AmpError::Ownership`] naming the parameter, as PyTorch refuses a parameter in two
+    /// groups.
+    pub(crate) fn new(shared: Arc<Shared>, algo: Box<dyn Optimizer>, claim: Filter) -> Result<Self> {
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         let hyper = algo.defaults();
-        Self {
+        let mut opt = Self {
             id,
             shared,
             algo,
+            claim: claim.clone(),
+            checked: 0,
             groups: vec![GroupSpec {
                 name: "default".into(),
-                filter,
+                filter: claim,
                 hyper,
             }],
             grads: BTreeMap::new(),
@@ -167,10 +194,40 @@ impl AmpOptimizer {
             steps: 0,
             skipped: 0,
             consecutive_skips: 0,
-        }
+        };
+        opt.check_claims()?;
+        opt.shared.claims_mut().insert(opt.id, opt.claim.clone());
+        Ok(opt)
     }
 
-    /// The optimizer's id within its AMP handle.
+    /// Checks the store's parameters not checked yet (new ones are built lazily) against the
+    /// other live optimizers' claims.
+    fn check_claims(&mut self) -> Result<()> {
+        let params = self.shared.store.params();
+        if params.len() == self.checked {
+            return Ok(());
+        }
+        let claims = self.shared.claims_mut();
+        for p in &params[self.checked..] {
+            if p.kind != ParamKind::Trainable || !(self.claim)(&p.name) {
+                continue;
+            }
+            if let Some((other, _)) = claims.iter().find(|(id, f)| **id != self.id && f(&p.name)) {
+                return Err(AmpError::Ownership {
+                    param: p.name.clone(),
+                    detail: format!(
+                        "optimizer {other} of this run already trains it; give each optimizer a filter that \
+                         selects disjoint parameters (amp.optimizer_for(algo, |name| ...)), or drop the other one"
+                    ),
+                });
+            }
+        }
+        drop(claims);
+        self.checked = params.len();
+        Ok(())
+    }
+
+    /// The optimizer's id, unique in the process.
     pub fn id(&self) -> usize {
         self.id
     }
@@ -180,7 +237,13 @@ impl AmpOptimizer {
         self.algo.name()
     }
 
+    /// The group of a parameter this optimizer owns: the last group whose filter selects it
+    /// (the default group selects every owned parameter). `None` for parameters it does not
+    /// own, whatever a group's filter says.
     fn group_of(&self, name: &str) -> Option<usize> {
+        if !(self.claim)(name) {
+            return None;
+        }
         self.groups.iter().rposition(|g| (g.filter)(name))
     }
 
@@ -215,12 +278,16 @@ impl AmpOptimizer {
 
     /// Names of the parameters this optimizer updates (owned, trainable, not frozen).
     pub fn param_names(&self) -> Vec<String> {
-        self.trained_vars().into_iter().map(|(name, _)| name).collect()
+        self.owned()
+            .into_iter()
+            .filter(|(_, p)| p.trains())
+            .map(|(_, p)| p.name)
+            .collect()
     }
 
-    /// Adds a parameter group: every trainable parameter whose name matches `filter` moves to
-    /// it (from an earlier group of this optimizer) or joins this optimizer (if no group owned
-    /// it yet). Later groups win. `lr`/`weight_decay` default to the algorithm's. Returns the
+    /// Adds a parameter group: every parameter of this optimizer whose name matches `filter`
+    /// moves to it from an earlier group. Later groups win. A group never selects parameters
+    /// outside this optimizer (another optimizer's, say). `lr`/`weight_decay` default to the algorithm's. Returns the
     /// group's index. Allowed at any time between steps; state of moved parameters is kept.
     ///
     /// ```
@@ -339,12 +406,19 @@ impl AmpOptimizer {
         Arc::ptr_eq(&self.shared, shared)
     }
 
+    /// The run this optimizer belongs to.
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
     /// Withdraws from every scaler round this optimizer is enlisted in.
     fn withdraw_all(&mut self) {
         if !self.found_inf.is_empty() && self.stage == Stage::HasGrads {
             let mut scalers = self.shared.scalers_mut();
-            for &loss_id in self.found_inf.keys() {
-                if let Some(s) = scalers.get_mut(loss_id) {
+            for round in self.found_inf.keys() {
+                if let Round::Loss(loss_id) = *round
+                    && let Some(s) = scalers.get_mut(loss_id)
+                {
                     s.withdraw(self.id, loss_id);
                 }
             }
@@ -362,72 +436,81 @@ impl AmpOptimizer {
         Ok(())
     }
 
-    /// Stage 4 of the backward pipeline: adds one backward's unscaled gradients.
+    /// Stage 4 of the backward pipeline: adds one backward's unscaled gradients (already
+    /// detached f32) and OR-s its overflow flag into the round's.
     pub(crate) fn accumulate(
         &mut self,
-        loss_id: usize,
+        round: Round,
         grads: Vec<(String, Tensor)>,
         found_inf: bool,
         nonfinite: Vec<String>,
     ) -> Result<()> {
         self.check_can_backward()?;
-        let n = self.shared.props.num_losses;
-        if loss_id >= n {
-            return Err(AmpError::LossId {
-                id: loss_id,
-                num_losses: n,
-            });
+        if let Round::Loss(loss_id) = round {
+            let n = self.shared.props.num_losses;
+            if loss_id >= n {
+                return Err(AmpError::LossId {
+                    id: loss_id,
+                    num_losses: n,
+                });
+            }
         }
         for (name, g) in grads {
             let sum = match self.grads.remove(&name) {
-                Some(prev) => (prev + g)?,
+                Some(prev) => (prev + g)?.detach(),
                 None => g,
             };
             self.grads.insert(name, sum);
         }
-        *self.found_inf.entry(loss_id).or_insert(false) |= found_inf;
+        *self.found_inf.entry(round).or_insert(false) |= found_inf;
         self.nonfinite.extend(nonfinite);
         self.micro_batches += 1;
         self.stage = Stage::HasGrads;
-        self.shared.scalers_mut()[loss_id].enlist(self.id);
+        if let Round::Loss(loss_id) = round {
+            self.shared.scalers_mut()[loss_id].enlist(self.id);
+        }
         Ok(())
     }
 
-    /// The (name, working Var) pairs of the parameters this optimizer trains.
-    pub(crate) fn trained_vars(&self) -> Vec<(String, Var)> {
-        self.owned()
+    /// The (name, working Var) pairs of the parameters this optimizer trains. Checks
+    /// parameters built since the last call against other optimizers' claims.
+    pub(crate) fn trained_vars(&mut self) -> Result<Vec<(String, Var)>> {
+        self.check_claims()?;
+        Ok(self
+            .owned()
             .into_iter()
             .filter(|(_, p)| p.trains())
             .map(|(_, p)| (p.name, p.working))
-            .collect()
+            .collect())
     }
 
-    /// Replaces the master gradients with unscaled ones computed outside the guard (the
-    /// PyTorch-style [`crate::GradScaler`]).
-    pub(crate) fn set_unscaled(&mut self, grads: Vec<(String, Tensor)>, found_inf: bool, nonfinite: Vec<String>) {
-        self.withdraw_all();
-        self.grads = grads.into_iter().collect();
-        self.found_inf.clear();
-        self.found_inf.insert(usize::MAX, found_inf);
-        self.nonfinite = nonfinite.into_iter().collect();
-        self.micro_batches = 1;
-        self.stage = Stage::HasGrads;
+    /// Whether the gradients scaled by an outside `GradScaler` overflowed.
+    pub(crate) fn external_found_inf(&self) -> bool {
+        self.found_inf.get(&Round::External).copied().unwrap_or(false)
     }
 
     /// Applies the master gradients, or records a skip, without any loss-scaler bookkeeping
-    /// (the PyTorch-style [`crate::GradScaler`] owns its scale).
+    /// (the PyTorch-style [`crate::GradScaler`] owns its scale). All or nothing: on an error
+    /// nothing was applied and the gradients stay for a retry.
     pub(crate) fn step_external(&mut self, skip: bool) -> Result<()> {
         if skip {
             self.skipped += 1;
         } else {
-            self.apply()?;
+            if self.stage == Stage::HasGrads {
+                self.apply()?;
+            }
             self.steps += 1;
         }
+        self.clear_grads();
+        Ok(())
+    }
+
+    fn clear_grads(&mut self) {
         self.grads.clear();
         self.found_inf.clear();
         self.nonfinite.clear();
+        self.micro_batches = 0;
         self.stage = Stage::Clean;
-        Ok(())
     }
 
     /// Clips the accumulated master gradients to a total L2 norm of `max_norm` (PyTorch's
@@ -490,18 +573,25 @@ impl AmpOptimizer {
         }
         self.stage = Stage::Stepped;
         // Report the scaler that overflowed (or the first one used).
+        let loss_id = |r: &Round| match r {
+            Round::Loss(id) => Some(*id),
+            Round::External => None,
+        };
         let first_id = self
             .found_inf
             .iter()
             .find(|(_, inf)| **inf)
             .or(self.found_inf.iter().next())
-            .map_or(0, |(id, _)| *id);
+            .and_then(|(r, _)| loss_id(r))
+            .unwrap_or(0);
         let scale = {
             let mut scalers = self.shared.scalers_mut();
-            for (&loss_id, &inf) in &self.found_inf {
-                // Gradients set by a GradScaler carry no loss id of this handle.
-                if let Some(s) = scalers.get_mut(loss_id) {
-                    s.report(self.id, inf, loss_id);
+            for (round, &inf) in &self.found_inf {
+                // Gradients scaled by a GradScaler have no scaler of this run to report to.
+                if let Some(id) = loss_id(round)
+                    && let Some(s) = scalers.get_mut(id)
+                {
+                    s.report(self.id, inf, id);
                 }
             }
             scalers.get(first_id).map_or(1.0, |s| s.state.scale.scale())
@@ -532,14 +622,18 @@ impl AmpOptimizer {
         })
     }
 
+    /// Applies the master gradients through the algorithm, all or nothing: the algorithm
+    /// writes nothing unless every update succeeded (see [`Optimizer::step`]), and on an
+    /// error its state is restored from a snapshot taken before, so a retried step applies
+    /// exactly once.
     fn apply(&mut self) -> Result<()> {
         struct Item {
             name: String,
             var: Var,
+            working: Option<Var>,
             grad: Tensor,
             hyper: GroupHyper,
             persistent: bool,
-            param: Param,
         }
         let mut items = Vec::new();
         for (g, p) in self.owned() {
@@ -551,13 +645,14 @@ impl AmpOptimizer {
                 Some(v) => (v.clone(), true),
                 None => (Var::from_tensor(&p.f32_value()?)?, false),
             };
+            let working = (p.working.id() != var.id()).then(|| p.working.clone());
             items.push(Item {
                 name: p.name.clone(),
                 var,
+                working,
                 grad: grad.clone(),
                 hyper: self.groups[g].hyper,
                 persistent,
-                param: p,
             });
         }
         let updates: Vec<ParamUpdate<'_>> = items
@@ -565,40 +660,52 @@ impl AmpOptimizer {
             .map(|i| ParamUpdate {
                 name: &i.name,
                 var: &i.var,
+                working: i.working.as_ref(),
                 grad: &i.grad,
                 hyper: i.hyper,
                 persistent: i.persistent,
             })
             .collect();
-        let stepped = self.algo.step(&updates);
-        // Copy the f32 results into the working (half) weights where they are separate Vars,
-        // also after a failure part-way, so that masters and working weights agree.
-        let synced = items.iter().try_for_each(|i| -> Result<()> {
-            if i.param.working.id() != i.var.id() {
-                let w = &i.param.working;
-                w.set(&i.var.as_tensor().to_dtype(w.dtype())?)?;
+        // An algorithm that cannot report its state (candle's, through the adapter) cannot be
+        // rolled back; its own step says how far it is atomic.
+        let snapshot = self.algo.state_dict().ok();
+        match self.algo.step(&updates) {
+            Ok(()) => {
+                self.shared.store.bump_generation();
+                Ok(())
             }
-            Ok(())
-        });
-        self.shared.store.bump_generation();
-        stepped?;
-        synced
+            Err(e) => {
+                if let Some(snapshot) = snapshot
+                    && let Err(r) = self.algo.load_state_dict(&snapshot)
+                {
+                    log::error!("could not restore the optimizer state after a failed step: {r}");
+                }
+                Err(e)
+            }
+        }
     }
 
     /// Drops the accumulated gradients and overflow flags; the next backward starts afresh.
     pub fn zero_grad(&mut self) {
         self.withdraw_all();
-        self.grads.clear();
-        self.found_inf.clear();
-        self.nonfinite.clear();
-        self.micro_batches = 0;
-        self.stage = Stage::Clean;
+        self.clear_grads();
     }
 
-    /// The optimizer's state: algorithm state, groups' hyper-parameters, counters.
+    /// The optimizer's state: algorithm state, groups' hyper-parameters, counters. A
+    /// snapshot: later steps do not change it.
     pub fn state_dict(&self) -> Result<AmpOptimizerState> {
+        self.state_with(self.algo.state_dict()?)
+    }
+
+    /// The state with buffers that may be shared with the live algorithm (valid until the
+    /// next step): what a checkpoint streams to disk without a copy.
+    pub(crate) fn state_view(&self) -> Result<AmpOptimizerState> {
+        self.state_with(self.algo.state_view()?)
+    }
+
+    fn state_with(&self, algorithm: OptimizerState) -> Result<AmpOptimizerState> {
         Ok(AmpOptimizerState {
-            algorithm: self.algo.state_dict()?,
+            algorithm,
             groups: self.groups.iter().map(|g| (g.name.clone(), g.hyper)).collect(),
             steps: self.steps,
             skipped_steps: self.skipped,
@@ -614,11 +721,11 @@ impl AmpOptimizer {
         for (name, ps) in &state.algorithm.params {
             if let Some(p) = self.shared.store.param(name) {
                 for (k, b) in &ps.buffers {
-                    if b.shape != p.working.dims() || b.data.len() != b.shape.iter().product::<usize>() {
+                    if b.dims() != p.working.dims() || !b.dtype().is_float() {
                         return Err(AmpError::OptimizerState(format!(
-                            "buffer `{k}` of `{name}` has shape {:?} ({} values) but the parameter has shape {:?}",
-                            b.shape,
-                            b.data.len(),
+                            "buffer `{k}` of `{name}` has shape {:?} and type {:?} but the parameter has shape {:?}",
+                            b.dims(),
+                            b.dtype(),
                             p.working.dims()
                         )));
                     }

@@ -14,7 +14,8 @@ use crate::error::{AmpError, Result};
 /// optimizers have one learning rate and their own weight decay: the adapter passes the
 /// first group's learning rate and ignores groups' weight decay. candle keeps
 /// its optimizer state private, so [`state_dict`](Optimizer::state_dict) is an error: use
-/// [`super::AdamW`] or [`super::Sgd`] for runs that checkpoint.
+/// [`super::AdamW`] or [`super::Sgd`] for runs that checkpoint. For the same reason its step
+/// is not all or nothing: candle's optimizer writes each Var as it goes.
 pub struct CandleOptimizer<O: candle_nn::Optimizer> {
     config: Option<O::Config>,
     inner: Option<O>,
@@ -88,6 +89,12 @@ where
             inner.set_learning_rate(p.hyper.lr);
         }
         inner.step(&gs)?;
+        // candle's optimizer wrote the f32 Vars; the half working copies follow.
+        for p in params {
+            if let Some(w) = p.working {
+                w.set(&p.var.as_tensor().to_dtype(w.dtype())?)?;
+            }
+        }
         Ok(())
     }
 

@@ -14,9 +14,11 @@ mod state;
 
 pub use adamw::{AdamW, AdamWConfig};
 pub use amp_optimizer::{AmpOptimizer, AmpOptimizerState, ParamGroup, StepOutcome};
+pub(crate) use amp_optimizer::{Filter, Round};
 pub use candle_adapter::CandleOptimizer;
 pub use sgd::{Sgd, SgdConfig};
 pub use state::{OptimizerState, ParamState, TensorData};
+pub(crate) use state::same_values;
 
 use candle_core::{Tensor, Var};
 
@@ -38,6 +40,9 @@ pub struct ParamUpdate<'a> {
     pub name: &'a str,
     /// The parameter as an f32 Var, updated in place by the step.
     pub var: &'a Var,
+    /// The half working copy the model computes with, when it is a separate Var (O2's
+    /// masters, O3): a step writes the new value into it too, in the same commit.
+    pub working: Option<&'a Var>,
     /// Its unscaled f32 gradient.
     pub grad: &'a Tensor,
     /// Its group's hyper-parameters.
@@ -62,18 +67,55 @@ pub trait Optimizer: Send {
     /// The new f32 value of one parameter. Called once per parameter that has a gradient.
     fn update(&mut self, param: &ParamUpdate<'_>) -> Result<Tensor>;
 
-    /// Updates every parameter that has a gradient. The default calls
-    /// [`update`](Optimizer::update) and writes each result into its Var.
+    /// Updates every parameter that has a gradient, all or nothing: either every parameter
+    /// (and its working copy) is written, or an error is returned and no Var was written.
+    /// On an error the caller ([`AmpOptimizer`]) restores the algorithm's state from a
+    /// [`state_dict`](Optimizer::state_dict) taken before the step, so a retried step applies
+    /// once. The default computes every new value (and its cast to the working type) with
+    /// [`update`](Optimizer::update) first, checks shapes and types, then writes them all;
+    /// an override must keep the same contract.
     fn step(&mut self, params: &[ParamUpdate<'_>]) -> Result<()> {
+        let mut new = Vec::with_capacity(params.len());
         for p in params {
-            let new = self.update(p)?;
-            p.var.set(&new)?;
+            let v = self.update(p)?;
+            if v.dims() != p.var.dims() || v.dtype() != p.var.dtype() {
+                return Err(crate::error::AmpError::OptimizerState(format!(
+                    "the {} update of `{}` has shape {:?} and type {:?}, the parameter {:?} and {:?}",
+                    self.name(),
+                    p.name,
+                    v.dims(),
+                    v.dtype(),
+                    p.var.dims(),
+                    p.var.dtype()
+                )));
+            }
+            let w = match p.working {
+                Some(w) => Some(v.to_dtype(w.dtype())?),
+                None => None,
+            };
+            new.push((v, w));
+        }
+        // Every value exists and fits: the writes below cannot fail part-way.
+        for (p, (v, w)) in params.iter().zip(new) {
+            p.var.set(&v)?;
+            if let (Some(wv), Some(w)) = (p.working, w) {
+                wv.set(&w)?;
+            }
         }
         Ok(())
     }
 
-    /// The algorithm's state (moments, step counters), for checkpoints.
+    /// The algorithm's state (moments, step counters), for checkpoints: a snapshot that
+    /// later steps do not change (share buffers only if steps replace them rather than
+    /// writing them in place).
     fn state_dict(&self) -> Result<OptimizerState>;
+
+    /// The state with buffers that may share storage with the live ones, valid until the
+    /// next step: what a checkpoint writes out at once, without a copy. The default is
+    /// [`state_dict`](Optimizer::state_dict).
+    fn state_view(&self) -> Result<OptimizerState> {
+        self.state_dict()
+    }
 
     /// Restores state produced by [`state_dict`](Optimizer::state_dict).
     fn load_state_dict(&mut self, state: &OptimizerState) -> Result<()>;

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use candle_core::Tensor;
 
-use super::{GroupHyper, Optimizer, OptimizerState, ParamState, ParamUpdate, TensorData};
+use super::{GroupHyper, Optimizer, OptimizerState, ParamState, ParamUpdate};
 use crate::error::{AmpError, Result};
 
 /// SGD settings.
@@ -93,10 +93,11 @@ impl Optimizer for Sgd {
                 None => d.clone(),
                 Some(b) => ((b.to_device(param.device())? * c.momentum)? + (&d * (1.0 - c.dampening))?)?,
             };
-            entry.1 = Some(buf.clone());
+            // Detached: state must never keep a step's graph alive.
+            entry.1 = Some(buf.detach());
             d = if c.nesterov { (d + (buf * c.momentum)?)? } else { buf };
         }
-        Ok(param.sub(&(d * p.hyper.lr)?)?)
+        Ok(param.sub(&(d * p.hyper.lr)?)?.detach())
     }
 
     fn state_dict(&self) -> Result<OptimizerState> {
@@ -104,7 +105,8 @@ impl Optimizer for Sgd {
         for (name, (step, buf)) in &self.state {
             let mut buffers = BTreeMap::new();
             if let Some(b) = buf {
-                buffers.insert("momentum_buffer".to_string(), TensorData::from_tensor(b)?);
+                // Replaced, never written in place: sharing it is a snapshot.
+                buffers.insert("momentum_buffer".to_string(), b.clone());
             }
             params.insert(name.clone(), ParamState { step: *step, buffers });
         }
@@ -119,7 +121,7 @@ impl Optimizer for Sgd {
         let mut new = BTreeMap::new();
         for (name, ps) in &state.params {
             let buf = match ps.buffers.get("momentum_buffer") {
-                Some(b) => Some(b.to_tensor(&candle_core::Device::Cpu)?),
+                Some(b) => Some(b.to_dtype(candle_core::DType::F32)?.detach()),
                 None => None,
             };
             new.insert(name.clone(), (ps.step, buf));

@@ -1,9 +1,14 @@
 //! Serialisable optimizer state.
+//!
+//! State buffers are f32 tensors: an algorithm's moments stay where they live, and a
+//! checkpoint writes them to safetensors without a host copy. As a serde value (for
+//! [`crate::optim::AmpOptimizer::state_dict`] users who store state themselves) each buffer
+//! is written as a [`TensorData`].
 
 use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Tensor};
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::error::{AmpError, Result};
 
@@ -42,13 +47,58 @@ impl TensorData {
     }
 }
 
+/// Whether two tensors have the same shape and bit-identical f32 values (NaN equals NaN).
+pub(crate) fn same_values(a: &Tensor, b: &Tensor) -> bool {
+    let bits = |t: &Tensor| -> Option<Vec<u32>> {
+        let v = t.to_dtype(DType::F32).ok()?.flatten_all().ok()?.to_vec1::<f32>().ok()?;
+        Some(v.into_iter().map(f32::to_bits).collect())
+    };
+    a.dims() == b.dims() && a.dtype() == b.dtype() && bits(a).is_some() && bits(a) == bits(b)
+}
+
+/// serde for a map of buffers: each tensor as [`TensorData`].
+mod buffers {
+    use super::*;
+
+    pub fn serialize<S: Serializer>(m: &BTreeMap<String, Tensor>, s: S) -> std::result::Result<S::Ok, S::Error> {
+        let data: BTreeMap<&String, TensorData> = m
+            .iter()
+            .map(|(k, t)| Ok((k, TensorData::from_tensor(t)?)))
+            .collect::<Result<_>>()
+            .map_err(serde::ser::Error::custom)?;
+        data.serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<BTreeMap<String, Tensor>, D::Error> {
+        let data = BTreeMap::<String, TensorData>::deserialize(d)?;
+        data.into_iter()
+            .map(|(k, t)| Ok((k, t.to_tensor(&Device::Cpu)?)))
+            .collect::<Result<_>>()
+            .map_err(serde::de::Error::custom)
+    }
+}
+
 /// The state an algorithm keeps for one parameter.
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct ParamState {
     /// Steps applied to this parameter.
     pub step: u64,
-    /// Named buffers ("exp_avg", "momentum_buffer", ...).
-    pub buffers: BTreeMap<String, TensorData>,
+    /// Named f32 buffers ("exp_avg", "momentum_buffer", ...), each of the parameter's shape.
+    #[serde(with = "buffers")]
+    pub buffers: BTreeMap<String, Tensor>,
+}
+
+impl PartialEq for ParamState {
+    /// Equal steps, buffer names, shapes and bit-identical values.
+    fn eq(&self, other: &Self) -> bool {
+        self.step == other.step
+            && self.buffers.len() == other.buffers.len()
+            && self
+                .buffers
+                .iter()
+                .zip(&other.buffers)
+                .all(|((ka, a), (kb, b))| ka == kb && same_values(a, b))
+    }
 }
 
 /// An algorithm's whole state, keyed by parameter name.
@@ -70,5 +120,23 @@ impl OptimizerState {
             )));
         }
         Ok(())
+    }
+
+    /// The same state with every buffer copied, so that later in-place updates of the
+    /// algorithm's own buffers cannot change it.
+    pub fn deep_copy(&self) -> Result<Self> {
+        let mut params = BTreeMap::new();
+        for (name, ps) in &self.params {
+            let buffers = ps
+                .buffers
+                .iter()
+                .map(|(k, t)| Ok((k.clone(), t.copy()?.detach())))
+                .collect::<Result<_>>()?;
+            params.insert(name.clone(), ParamState { step: ps.step, buffers });
+        }
+        Ok(Self {
+            kind: self.kind.clone(),
+            params,
+        })
     }
 }
