@@ -301,10 +301,7 @@ impl Amp {
             ));
         }
         if let Some(w) = weights {
-            let (missing, unexpected, shapes) = self
-                .shared
-                .store
-                .diff_names(w.iter().map(|(k, d)| (k, d.as_slice())));
+            let (missing, unexpected, shapes) = self.shared.store.diff_names(w.iter().map(|(k, d)| (k, d.as_slice())));
             if !missing.is_empty() || !unexpected.is_empty() || !shapes.is_empty() {
                 return Err(mismatch(origin, "checkpoint", &missing, &unexpected, &shapes));
             }
@@ -391,9 +388,9 @@ impl Amp {
             if unexpected.contains(name) {
                 continue;
             }
-            let t = file.load(name, self.shared.store.device()).map_err(|e| {
-                AmpError::checkpoint(path, CheckpointErrorKind::Corrupt, format!("`{name}`: {e}"))
-            })?;
+            let t = file
+                .load(name, self.shared.store.device())
+                .map_err(|e| AmpError::checkpoint(path, CheckpointErrorKind::Corrupt, format!("`{name}`: {e}")))?;
             self.shared.store.write_f32(name, &t.to_dtype(DType::F32)?)?;
             loaded.push(name.clone());
         }
@@ -499,7 +496,27 @@ impl Amp {
     }
 
     /// Opens a [`ScaleLoss`] guard for loss id 0 and one optimizer. See [`ScaleLoss`] for
-    /// what it does.
+    /// what it does. A loss that is inf or NaN, or an overflowing gradient, makes the next
+    /// `step` a skip (weights and optimizer state untouched) and backs the scale off:
+    ///
+    /// ```
+    /// use candle_amp as amp;
+    /// # fn main() -> anyhow::Result<()> {
+    /// let (model, mut opt, amp) = amp::initialize(
+    ///     |vb| amp::nn::linear(2, 1, vb.pp("fc")),
+    ///     amp::optim::Sgd::new(amp::optim::SgdConfig::new(0.1))?,
+    ///     amp::OptLevel::O2,
+    /// )?;
+    /// let x = candle_core::Tensor::ones((3, 2), candle_core::DType::F32, &candle_core::Device::Cpu)?;
+    /// let loss = (amp::ops::mse(&model.forward(&x)?, &x.narrow(1, 0, 1)?)? * f64::INFINITY)?;
+    /// let report = amp.scale_loss(&loss, &mut opt)?.backward()?;
+    /// assert!(report.found_inf && report.nonfinite.contains(&"<loss>".to_string()));
+    /// let outcome = opt.step()?;
+    /// assert!(outcome.is_skipped());
+    /// assert_eq!(amp.loss_scale(0)?, 32768.0);                 // 65536 backed off once
+    /// opt.zero_grad();
+    /// # Ok(()) }
+    /// ```
     pub fn scale_loss<'a>(&'a self, loss: &Tensor, optimizer: &'a mut AmpOptimizer) -> Result<ScaleLoss<'a>> {
         ScaleLoss::new(self, loss, 0, vec![optimizer])
     }

@@ -41,8 +41,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::amp::{Amp, AmpState, STATE_FORMAT_VERSION};
 use crate::error::{AmpError, CheckpointErrorKind as Kind, Result};
-use crate::optim::{AmpOptimizer, AmpOptimizerState, GroupHyper, OptimizerState, ParamState};
 use crate::opt_level::Properties;
+use crate::optim::{AmpOptimizer, AmpOptimizerState, GroupHyper, OptimizerState, ParamState};
 use crate::scaler::ScalerState;
 
 const LATEST: &str = "LATEST";
@@ -424,7 +424,9 @@ pub struct CheckpointDir {
 }
 
 fn fsync_dir(dir: &Path) -> Result<()> {
-    File::open(dir).and_then(|f| f.sync_all()).map_err(|e| AmpError::io(dir, e))
+    File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| AmpError::io(dir, e))
 }
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
@@ -437,7 +439,9 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
 /// Size and CRC-32 of a file, read through a small buffer (never the whole file at once).
 fn crc_of(path: &Path) -> Result<(u64, u32)> {
     let mut f = File::open(path).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => AmpError::checkpoint(path, Kind::MissingFile, "listed in the manifest but missing"),
+        std::io::ErrorKind::NotFound => {
+            AmpError::checkpoint(path, Kind::MissingFile, "listed in the manifest but missing")
+        }
         _ => AmpError::io(path, e),
     })?;
     let mut h = crc32fast::Hasher::new();
@@ -593,7 +597,11 @@ impl CheckpointDir {
             Ok(None) => return Ok(None),
             Ok(Some(v)) if self.root.join(version_name(v)).is_dir() => return Ok(Some((v, None))),
             Ok(Some(v)) => format!("it names {}, which is not there", version_name(v)),
-            Err(e @ AmpError::Checkpoint { kind: Kind::Corrupt, .. }) => e.to_string(),
+            Err(
+                e @ AmpError::Checkpoint {
+                    kind: Kind::Corrupt, ..
+                },
+            ) => e.to_string(),
             Err(e) => return Err(e),
         };
         let (versions, _) = self.scan()?;

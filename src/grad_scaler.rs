@@ -158,15 +158,7 @@ impl GradScaler {
                 own.insert(&v, g.clone());
             }
         }
-        run_stages(
-            &shared,
-            own,
-            &mut [opt],
-            Round::External,
-            scale,
-            false,
-            self.enabled,
-        )
+        run_stages(&shared, own, &mut [opt], Round::External, scale, false, self.enabled)
     }
 
     fn check_ready(&self, opt: &AmpOptimizer, call: &str) -> Result<()> {

@@ -47,7 +47,7 @@ pub struct BackwardReport {
 /// [`backward`](Self::backward), which adds unscaled f32 gradients to the optimizers' master
 /// gradients and records overflow; the scale itself changes only when the optimizers step.
 /// Misuse: opening it on an optimizer that has stepped without `zero_grad` is an
-/// [`AmpError::CallOrder`](crate::AmpError::CallOrder); dropping it without a backward
+/// [`AmpError::CallOrder`]; dropping it without a backward
 /// leaves everything as it was.
 ///
 /// It dereferences to the scaled loss (f32), for users who drive backward themselves.
@@ -209,10 +209,7 @@ pub(crate) fn run_stages(
     for o in optimizers.iter() {
         o.check_can_backward()?;
     }
-    let owned: Vec<Vec<(String, Var)>> = optimizers
-        .iter_mut()
-        .map(|o| o.trained_vars())
-        .collect::<Result<_>>()?;
+    let owned: Vec<Vec<(String, Var)>> = optimizers.iter_mut().map(|o| o.trained_vars()).collect::<Result<_>>()?;
     let all: Vec<(String, Var)> = owned.iter().flatten().cloned().collect();
     let reducer = shared.reducer();
     if let Some(r) = &reducer {

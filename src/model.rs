@@ -20,6 +20,26 @@ use crate::opt_level::Properties;
 /// also implement `Module`, hence the inherent `forward`. A model whose forward takes other
 /// arguments can call [`cast_input`](Self::cast_input) and [`cast_output`](Self::cast_output)
 /// around its own call on [`inner`](Self::inner).
+///
+/// ```
+/// use candle_amp as amp;
+/// use candle_core::{DType, Device, Tensor};
+/// # fn main() -> anyhow::Result<()> {
+/// let (model, _opt, amp) = amp::initialize(
+///     |vb| amp::nn::linear(4, 2, vb.pp("fc")),
+///     amp::optim::Sgd::new(amp::optim::SgdConfig::new(0.1))?,
+///     amp::OptLevel::O2,
+/// )?;
+/// let w = amp.store().param("fc.weight").unwrap();
+/// assert_eq!(w.working.dtype(), DType::F16);                            // the model computes in f16
+/// assert_eq!(w.master.as_ref().map(|m| m.dtype()), Some(DType::F32)); // f32 master weights
+/// let x = Tensor::ones((3, 4), DType::F32, &Device::Cpu)?;
+/// assert_eq!(model.input_dtype(), Some(DType::F16));                   // inputs are cast to f16
+/// assert_eq!(model.forward(&x)?.dtype(), DType::F32);                  // outputs come back in f32
+/// model.eval();                                                         // evaluation mode
+/// assert!(!model.is_training());
+/// # Ok(()) }
+/// ```
 #[derive(Debug)]
 pub struct AmpModel<M> {
     inner: M,

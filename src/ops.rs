@@ -1,7 +1,7 @@
 //! Tensor operations that consult the autocast policy ([`crate::autocast`]).
 //!
 //! Under an enabled policy each function casts its floating arguments as its op name's
-//! [`CastPolicy`](crate::autocast::CastPolicy) says (Apex's lists, [`crate::autocast::CAST_LISTS`]);
+//! [`CastPolicy`] says (Apex's lists, [`crate::autocast::CAST_LISTS`]);
 //! integer and f64 tensors are never cast; ops on no list run in their input's type.
 //! Without a policy they behave like the candle op, except that reductions, normalisation
 //! and softmax always accumulate in f32 (and return their input's type) and losses always

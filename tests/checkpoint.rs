@@ -127,7 +127,11 @@ fn resume_in_a_new_process_is_bitwise_exact() {
             straight.optimizer_states().unwrap(),
             "{level}: optimizer state"
         );
-        assert_eq!(resumed.scaler_states(), straight.scaler_states(), "{level}: scaler state");
+        assert_eq!(
+            resumed.scaler_states(),
+            straight.scaler_states(),
+            "{level}: scaler state"
+        );
         assert_eq!(resumed, straight, "{level}: everything, generators included");
         std::fs::remove_dir_all(&dir).unwrap();
     }
@@ -294,13 +298,20 @@ fn bad_checkpoints_are_typed_errors_that_change_nothing() {
         std::fs::write(case.join("LATEST"), garbage).unwrap();
         let before_disk = snapshot_dir(&case);
         let ck = CheckpointDir::new(&case, 2).load().unwrap();
-        assert!(ck.recovered_from().unwrap().contains("v00000001"), "{:?}", ck.recovered_from());
+        assert!(
+            ck.recovered_from().unwrap().contains("v00000001"),
+            "{:?}",
+            ck.recovered_from()
+        );
         assert_eq!(ck, good);
         assert_eq!(snapshot_dir(&case), before_disk, "a load changes nothing on disk");
         let v2 = CheckpointDir::new(&case, 2)
             .save(&amp, &[&opt], 2, serde_json::Value::Null)
             .unwrap();
-        assert_eq!(std::fs::read_to_string(case.join("LATEST")).unwrap().trim(), "v00000002");
+        assert_eq!(
+            std::fs::read_to_string(case.join("LATEST")).unwrap().trim(),
+            "v00000002"
+        );
         assert!(v2.ends_with("v00000002"));
         let back = CheckpointDir::new(&case, 2).load().unwrap();
         assert!(back.recovered_from().is_none());
@@ -405,7 +416,10 @@ fn fuzzed_checkpoint_files_never_panic_and_never_load_wrong() {
         std::fs::write(f, &orig).unwrap();
     }
     assert!(errors > 225, "damage to a version must be detected: {errors}/240");
-    assert!(recovered > 40, "damaged pointers are recovered and reported: {recovered}/60");
+    assert!(
+        recovered > 40,
+        "damaged pointers are recovered and reported: {recovered}/60"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -667,7 +681,10 @@ fn export_half_replaces_the_file_atomically() {
     amp.export_half(&p).unwrap();
     let m = candle_core::safetensors::load(&p, &Device::Cpu).unwrap();
     assert_eq!(m["l1.weight"].dtype(), DType::F16);
-    let names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+    let names: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
     assert_eq!(names.len(), 1, "no temporary file is left: {names:?}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -691,7 +708,11 @@ fn optimizer_state_is_in_safetensors_and_json_holds_no_tensor() {
         }
     }
     let json = std::fs::read_to_string(v.join("state.json")).unwrap();
-    assert!(json.len() < 4096, "state.json holds scalars and names only ({} bytes)", json.len());
+    assert!(
+        json.len() < 4096,
+        "state.json holds scalars and names only ({} bytes)",
+        json.len()
+    );
     assert!(!json.contains("exp_avg_sq\":{"), "no buffer values in JSON");
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -11,7 +11,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use candle_amp::autocast;
 use candle_amp::checkpoint::{Checkpoint, CheckpointDir};
 use candle_amp::optim::{Optimizer, OptimizerState, ParamUpdate, Sgd, SgdConfig};
-use candle_amp::{self as amp, AmpConfig, AmpError, DynamicParams, GradReducer, GradScaler, LossScaleSpec, OptLevel, ops};
+use candle_amp::{
+    self as amp, AmpConfig, AmpError, DynamicParams, GradReducer, GradScaler, LossScaleSpec, OptLevel, ops,
+};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::Optimizer as _;
@@ -68,7 +70,11 @@ fn groups_select_only_their_optimizers_parameters_and_claims_do_not_overlap() {
     let opt_d = amp.optimizer_for(sgd(0.1), |n| n.starts_with("disc.")).unwrap();
     let g = opt_g.add_param_group("no_decay", |n| n.ends_with("bias"), None, Some(0.0));
     assert_eq!(opt_g.groups()[g].params, vec!["gen.l1.bias", "gen.l2.bias"]);
-    assert!(opt_g.param_names().iter().all(|n| n.starts_with("gen.")), "{:?}", opt_g.param_names());
+    assert!(
+        opt_g.param_names().iter().all(|n| n.starts_with("gen.")),
+        "{:?}",
+        opt_g.param_names()
+    );
     assert!(opt_d.param_names().iter().all(|n| n.starts_with("disc.")));
     // A third optimizer claiming a parameter another one trains is refused, naming it.
     let e = amp.optimizer_for(sgd(0.1), |n| n == "disc.l2.weight").unwrap_err();
@@ -93,7 +99,9 @@ fn resuming_keeps_the_loading_runs_scaler_settings() {
         opt.zero_grad();
     }
     let ckpts = CheckpointDir::new(&dir, 1);
-    ckpts.save_checkpoint(&Checkpoint::capture(&amp, &[&opt], 3).unwrap()).unwrap();
+    ckpts
+        .save_checkpoint(&Checkpoint::capture(&amp, &[&opt], 3).unwrap())
+        .unwrap();
     let calm = quiet(OptLevel::O2).max_loss_scale(1024.0).dynamic(DynamicParams {
         growth_interval: 7,
         hysteresis: 2,
@@ -102,9 +110,15 @@ fn resuming_keeps_the_loading_runs_scaler_settings() {
     let (_, mut opt2, amp2) = amp::initialize(TwoLinear::new, sgd(0.1), calm).unwrap();
     ckpts.load().unwrap().restore(&amp2, &mut [&mut opt2]).unwrap();
     let st = &amp2.scaler_states()[0];
-    assert_eq!(st.scale.scale(), 1024.0, "the restored 65536 is clamped into the new ceiling");
+    assert_eq!(
+        st.scale.scale(),
+        1024.0,
+        "the restored 65536 is clamped into the new ceiling"
+    );
     assert_eq!(st.updates, 3, "counters are restored");
-    let amp::LossScale::Dynamic(d) = st.scale else { panic!("dynamic") };
+    let amp::LossScale::Dynamic(d) = st.scale else {
+        panic!("dynamic")
+    };
     assert_eq!((d.max_scale, d.growth_interval, d.hysteresis), (1024.0, 7, 2));
     assert_eq!(d.growth_tracker, 3, "the growth tracker is restored");
     assert_eq!(amp2.properties().max_loss_scale, 1024.0);
@@ -180,7 +194,11 @@ fn a_standalone_scope_around_a_training_loop_never_serves_stale_weights() {
         let w = lin.weight().copy().unwrap();
         let out = candle_nn::Module::forward(&lin, x).unwrap();
         let again = candle_nn::Module::forward(&lin, x).unwrap();
-        assert_eq!(flat(&out), flat(&again), "step {step}: the same weights give the same output");
+        assert_eq!(
+            flat(&out),
+            flat(&again),
+            "step {step}: the same weights give the same output"
+        );
         let fresh = x
             .to_dtype(DType::BF16)
             .unwrap()
@@ -188,7 +206,11 @@ fn a_standalone_scope_around_a_training_loop_never_serves_stale_weights() {
             .unwrap()
             .broadcast_add(&lin.bias().unwrap().to_dtype(DType::BF16).unwrap())
             .unwrap();
-        assert_eq!(flat(&out), flat(&fresh), "step {step}: the cast is of the current weights");
+        assert_eq!(
+            flat(&out),
+            flat(&fresh),
+            "step {step}: the cast is of the current weights"
+        );
         let loss = ops::mse(&out, y).unwrap();
         adamw.step(&loss.backward().unwrap()).unwrap();
     }
@@ -205,7 +227,10 @@ fn overflow_is_checked_on_the_raw_gradient_as_pytorch_does() {
     let mut scaler = GradScaler::with_params(tiny, 2.0, 0.5, 1, true).unwrap();
     for (i, (x, y)) in data.iter().enumerate() {
         let g = grads_of(&model, &scaler, x, y);
-        assert!(!scaler.step(&mut opt, &g).unwrap().is_skipped(), "step {i} is clean, as in PyTorch");
+        assert!(
+            !scaler.step(&mut opt, &g).unwrap().is_skipped(),
+            "step {i} is clean, as in PyTorch"
+        );
         scaler.update(None).unwrap();
     }
     assert_eq!(scaler.get_scale(), tiny * 8.0, "three clean steps, interval 1");
@@ -304,21 +329,35 @@ fn a_failed_step_changes_nothing_and_a_retry_applies_it_once() {
         let loss = ops::mse(&m.forward(&x).unwrap(), &y).unwrap();
         a.scale_loss(&loss, o).unwrap().backward().unwrap();
     }
-    let (w, bits, st) = (store_values(amp.store()), working_bits(amp.store()), opt.state_dict().unwrap());
+    let (w, bits, st) = (
+        store_values(amp.store()),
+        working_bits(amp.store()),
+        opt.state_dict().unwrap(),
+    );
     assert!(opt.step().is_err());
     assert_eq!(store_values(amp.store()), w, "masters untouched");
     assert_eq!(working_bits(amp.store()), bits, "working weights untouched");
     assert_eq!(opt.state_dict().unwrap(), st, "optimizer state untouched");
     assert!(!opt.step().unwrap().is_skipped(), "the retry steps");
     opt_c.step().unwrap();
-    assert_eq!(store_values(amp.store()), store_values(amp_c.store()), "applied exactly once");
-    assert_eq!(opt.state_dict().unwrap().algorithm, opt_c.state_dict().unwrap().algorithm);
+    assert_eq!(
+        store_values(amp.store()),
+        store_values(amp_c.store()),
+        "applied exactly once"
+    );
+    assert_eq!(
+        opt.state_dict().unwrap().algorithm,
+        opt_c.state_dict().unwrap().algorithm
+    );
 }
 
 #[test]
 fn grad_scaler_accumulates_micro_batches_like_one_full_batch() {
     let (x, y) = batches(1, 27).remove(0);
-    let halves = [(x.narrow(0, 0, 8).unwrap(), y.narrow(0, 0, 8).unwrap()), (x.narrow(0, 8, 8).unwrap(), y.narrow(0, 8, 8).unwrap())];
+    let halves = [
+        (x.narrow(0, 0, 8).unwrap(), y.narrow(0, 0, 8).unwrap()),
+        (x.narrow(0, 8, 8).unwrap(), y.narrow(0, 8, 8).unwrap()),
+    ];
     let (model, mut opt, amp) = amp::initialize(TwoLinear::new, sgd(0.1), quiet(OptLevel::O1)).unwrap();
     let vm = f32_copy(amp.store());
     let control = TwoLinear::new(vb_of(&vm)).unwrap();

@@ -146,7 +146,9 @@ fn memory_does_not_grow_with_the_step_count_at_any_level() {
         let amp = amp::Amp::new(cfg, &dev).unwrap();
         let drop = amp.generator("dropout");
         let model = amp.model(|vb| Everything::new(vb, drop)).unwrap();
-        let mut opt = amp.optimizer(amp::optim::AdamW::new(Default::default()).unwrap()).unwrap();
+        let mut opt = amp
+            .optimizer(amp::optim::AdamW::new(Default::default()).unwrap())
+            .unwrap();
         let mut at = [0isize; 2];
         for step in 1..=300 {
             let logp = model.forward(&x).unwrap();
@@ -154,7 +156,10 @@ fn memory_does_not_grow_with_the_step_count_at_any_level() {
             amp.scale_loss(&loss, &mut opt).unwrap().backward().unwrap();
             if step == 300 {
                 for (name, g) in opt.master_grads() {
-                    assert!(!g.track_op(), "{level} {half}: the master gradient of {name} keeps a graph");
+                    assert!(
+                        !g.track_op(),
+                        "{level} {half}: the master gradient of {name} keeps a graph"
+                    );
                     assert_eq!(g.dtype(), DType::F32);
                 }
             }

@@ -401,12 +401,17 @@ fn loss_decreases_at_every_level_and_half_type() {
                 ..Default::default()
             })
             .unwrap();
-            let (model, mut opt, amp) = amp::initialize(TwoLinear::new, opt, cfg).unwrap();
+            // Built from candle_amp::nn, so that the O1 row really autocasts.
+            let (model, mut opt, amp) = amp::initialize(AmpTwoLinear::new, opt, cfg).unwrap();
             let mut losses = Vec::new();
             for _ in 0..40 {
-                let loss = candle_nn::loss::mse(&model.forward(&x).unwrap(), &y).unwrap();
+                let out = model.forward(&x).unwrap();
+                assert_eq!(out.dtype(), DType::F32, "{level}: outputs come back in f32");
+                let loss = amp::ops::mse(&out, &y).unwrap();
                 losses.push(loss.to_scalar::<f32>().unwrap());
-                amp.scale_loss(&loss, &mut opt).unwrap().backward().unwrap();
+                let report = amp.scale_loss(&loss, &mut opt).unwrap().backward().unwrap();
+                let expect = (level == OptLevel::O1).then_some(2);
+                assert_eq!(report.autocast_ops, expect, "{level}: both linear layers ran in half");
                 opt.step().unwrap();
                 opt.zero_grad();
             }

@@ -18,6 +18,7 @@ mod data;
 mod models;
 mod report;
 
+use std::io::IsTerminal;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
@@ -235,6 +236,20 @@ fn score(kind: ModelKind, logits: &Tensor, y: &Tensor) -> Result<(Tensor, usize,
     Ok((loss, correct, truth.len()))
 }
 
+/// The half type a level computes in, for the table: none at O0 (pure f32).
+fn half_label(level: amp::OptLevel, half: amp::HalfType) -> &'static str {
+    if level == amp::OptLevel::O0 { "-" } else { half.name() }
+}
+
+/// Fails now, before any training, if `dir` cannot be created or written.
+fn check_writable(flag: &str, dir: &str) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("{flag} {dir}: cannot create the directory"))?;
+    let probe = std::path::Path::new(dir).join(format!(".candle-amp-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"").with_context(|| format!("{flag} {dir}: the directory is not writable"))?;
+    std::fs::remove_file(&probe).with_context(|| format!("{flag} {dir}: cannot remove {}", probe.display()))?;
+    Ok(())
+}
+
 fn run_dir(root: &str, kind: ModelKind, level: amp::OptLevel, half: amp::HalfType) -> CheckpointDir {
     CheckpointDir::new(
         std::path::Path::new(root).join(format!("{}-{level}-{half}", kind.name())),
@@ -311,7 +326,15 @@ fn train_one(kind: ModelKind, task: &Task, level: amp::OptLevel, a: &Args) -> Re
 
     let pb = ProgressBar::new(a.steps.saturating_sub(start) as u64);
     pb.set_style(ProgressStyle::with_template("{prefix:>16} [{bar:30}] {pos}/{len} {msg}")?.progress_chars("=> "));
-    pb.set_prefix(format!("{} {level} {}", kind.name(), a.half));
+    let label = format!("{} {level} {}", kind.name(), half_label(level, a.half));
+    pb.set_prefix(label.clone());
+    // indicatif draws nothing when stderr is not a terminal (CI logs, `2> file`): print a
+    // line per run and every tenth of it instead.
+    let lines = !std::io::stderr().is_terminal();
+    let every = (a.steps / 10).max(1);
+    if lines {
+        eprintln!("{label}: training steps {}..{}", start + 1, a.steps);
+    }
 
     // Batches come from the run's own "data" generator, so checkpoints carry the data order.
     let data_rng = amp.generator("data");
@@ -343,6 +366,14 @@ fn train_one(kind: ModelKind, task: &Task, level: amp::OptLevel, a: &Args) -> Re
         progress.skipped.push(outcome.is_skipped());
         pb.set_message(format!("loss {l:.4}"));
         pb.inc(1);
+        let done = progress.losses.len();
+        if lines && (done % every == 0 || done == a.steps) {
+            eprintln!(
+                "{label}: step {done}/{} loss {l:.4} scale {}",
+                a.steps,
+                outcome.loss_scale()
+            );
+        }
     }
     pb.finish_and_clear();
     if let Some(root) = &a.save {
@@ -418,6 +449,13 @@ fn make_task(kind: ModelKind, a: &Args) -> Result<Task> {
 fn main() -> Result<()> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let a = parse_args()?;
+    // Output paths are checked before the first step, not after a long run.
+    if let Some(dir) = &a.save {
+        check_writable("--save", dir)?;
+    }
+    if let Some(dir) = &a.report {
+        check_writable("--report", dir)?;
+    }
     if let Some(root) = &a.resume {
         // Verify every checkpoint before training anything.
         for &kind in &a.models {
@@ -467,7 +505,7 @@ fn main() -> Result<()> {
                 "{:<12} {:<6} {:<5} {:<6} {:>10.4} {:>10.4} {:>8.2}% {:>8} {:>12} {:>8.3}\n",
                 kind.name(),
                 r.level.to_string(),
-                a.half.name(),
+                half_label(r.level, a.half),
                 r.param_dtype.as_str(),
                 r.final_loss,
                 r.eval_loss,

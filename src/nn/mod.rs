@@ -6,6 +6,25 @@
 //! at every level normalisation statistics and softmax accumulate in f32, and every layer is
 //! differentiable (candle 0.11's fused `layer_norm`, `rms_norm` and `softmax_last_dim` are
 //! not). `Dropout` draws its masks from a generator the run owns and checkpoints.
+//!
+//! ```
+//! use candle_amp::{self as amp, nn as ann};
+//! use candle_core::{DType, Device, Tensor};
+//! use candle_nn::Module;
+//! # fn main() -> anyhow::Result<()> {
+//! struct Block { fc: ann::Linear, ln: ann::LayerNorm }
+//! let (model, _opt, amp) = amp::initialize(
+//!     |vb| Ok(Block { fc: ann::linear(8, 8, vb.pp("fc"))?, ln: ann::layer_norm(8, 1e-5, vb.pp("ln"))? }),
+//!     amp::optim::AdamW::new(Default::default())?,
+//!     amp::OptLevel::O1,
+//! )?;
+//! let x = Tensor::ones((2, 8), DType::F32, &Device::Cpu)?;
+//! let _autocast = amp.autocast();                              // what the model wrapper does at O1
+//! let h = model.inner().fc.forward(&x)?;
+//! assert_eq!(h.dtype(), DType::F16);                           // linear runs in half
+//! assert_eq!(model.inner().ln.forward(&h)?.dtype(), DType::F32); // layer norm in f32
+//! # Ok(()) }
+//! ```
 
 mod attention;
 mod batch_norm;

@@ -17,8 +17,8 @@ pub use amp_optimizer::{AmpOptimizer, AmpOptimizerState, ParamGroup, StepOutcome
 pub(crate) use amp_optimizer::{Filter, Round};
 pub use candle_adapter::CandleOptimizer;
 pub use sgd::{Sgd, SgdConfig};
-pub use state::{OptimizerState, ParamState, TensorData};
 pub(crate) use state::same_values;
+pub use state::{OptimizerState, ParamState, TensorData};
 
 use candle_core::{Tensor, Var};
 

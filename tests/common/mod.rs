@@ -28,6 +28,27 @@ impl Module for TwoLinear {
     }
 }
 
+/// The same model built from `candle_amp::nn`, so that O1 autocasts it.
+pub struct AmpTwoLinear {
+    pub l1: amp::nn::Linear,
+    pub l2: amp::nn::Linear,
+}
+
+impl AmpTwoLinear {
+    pub fn new(vb: VarBuilder) -> candle_core::Result<Self> {
+        Ok(Self {
+            l1: amp::nn::linear(8, 8, vb.pp("l1"))?,
+            l2: amp::nn::linear(8, 8, vb.pp("l2"))?,
+        })
+    }
+}
+
+impl Module for AmpTwoLinear {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.l2.forward(&self.l1.forward(x)?)
+    }
+}
+
 /// `n` seeded batches of (input, target), each 16x8, in f32.
 pub fn batches(n: usize, seed: u64) -> Vec<(Tensor, Tensor)> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
