@@ -59,14 +59,6 @@ fn step(c: &mut Criterion) {
         });
     }
     g.finish();
-
-    let grad = Tensor::randn(0f32, 1., (256, 256), &dev)
-        .unwrap()
-        .to_dtype(DType::F16)
-        .unwrap();
-    c.bench_function("unscale_check_256x256_f16", |b| {
-        b.iter(|| amp::guard::unscale_check(&grad, 65536.0).unwrap())
-    });
 }
 
 criterion_group!(benches, step);

@@ -1,64 +1,40 @@
-//! The AMP handle and [`initialize`].
+//! The AMP handle and [`initialize`]: the top of the crate.
 //!
-//! An [`Amp`] owns a run's per-run state: its resolved [`Properties`], its
+//! An [`Amp`] owns a run's state ([`crate::train::run`]): its resolved [`Properties`], its
 //! [`ParamStore`], its loss scalers and the gradient-reduction hook. Models and optimizers
 //! made from it share that state; nothing is global.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
-use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
-use crate::autocast::{AutocastGuard, AutocastPolicy, CastContext, CastPolicy};
 use crate::error::{AmpError, CheckpointErrorKind, Result};
-use crate::guard::ScaleLoss;
-use crate::loss_scale::LossScale;
-use crate::model::AmpModel;
-use crate::opt_level::{AmpConfig, Properties};
-use crate::optim::TensorData;
-use crate::optim::{AmpOptimizer, Filter, Optimizer};
-use crate::rng::Generator;
-use crate::scaler::{ScalerSlot, ScalerState};
-use crate::store::{ParamStore, StorePolicy};
+use crate::files::{map_safetensors, write_safetensors_atomic};
+use crate::precision::autocast::{self, AutocastGuard, AutocastPolicy, CastPolicy};
+use crate::precision::model::AmpModel;
+use crate::precision::opt_level::{AmpConfig, Properties};
+use crate::precision::store::{LoadMode, ParamKind, ParamStore};
+use crate::scaling::scaler::ScalerState;
+use crate::train::guard::ScaleLoss;
+use crate::train::optim::{AmpOptimizer, Optimizer, TensorData};
+use crate::train::reduce::GradReducer;
+use crate::train::rng::Generator;
+use crate::train::run::RunState;
 
-/// Stage 2 of the backward pipeline: a hook that sees the raw (scaled, working-type)
-/// gradients before they are unscaled. Data-parallel training all-reduces them here. The
-/// default is none.
-pub trait GradReducer: Send + Sync {
-    /// Reduces `grads` in place; `params` are the (name, working Var) pairs being trained.
-    fn reduce(&self, grads: &mut GradStore, params: &[(String, Var)]) -> Result<()>;
-
-    /// Combines this process's overflow flag with the other processes' so that every
-    /// process skips the same steps. The default is the local flag.
-    fn reduce_found_inf(&self, found_inf: bool) -> Result<bool> {
-        Ok(found_inf)
-    }
-}
-
-pub(crate) struct Shared {
-    pub props: Properties,
-    pub store: ParamStore,
-    scalers: Mutex<Vec<ScalerSlot>>,
-    pub reducer: Mutex<Option<Arc<dyn GradReducer>>>,
-    /// The live optimizers' claims (which trainable parameters each owns), by optimizer id.
-    claims: Mutex<BTreeMap<usize, Filter>>,
-    generators: Mutex<BTreeMap<String, Generator>>,
-    pub casts: Arc<CastContext>,
-}
-
-/// The version of [`AmpState`] (and of checkpoints) this build writes and the newest it reads.
-pub const STATE_FORMAT_VERSION: u32 = 1;
+/// The version of [`AmpState`] (and of checkpoints) this build writes and the newest it
+/// reads. 2: tensors of checkpoints in safetensors only.
+pub(crate) const STATE_FORMAT_VERSION: u32 = 2;
 
 /// The run's state as a serde value: what [`Amp::state_dict`] returns. Weights are f32 (the
 /// masters at O2), so nothing is lost whatever the level.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AmpState {
-    /// [`STATE_FORMAT_VERSION`] when written.
+    /// The format version it was written in (2 in this release).
     pub format_version: u32,
     /// The resolved properties of the run that saved it (informational: loading keeps the
     /// loading run's properties).
@@ -73,15 +49,6 @@ pub struct AmpState {
     /// safetensors).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub weights: BTreeMap<String, TensorData>,
-}
-
-/// Whether loading weights insists that names match exactly.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LoadMode {
-    /// Missing and unexpected names are errors.
-    Strict,
-    /// Load the names both sides have; report the rest.
-    Lenient,
 }
 
 /// What [`Amp::load_weights`] did.
@@ -116,33 +83,18 @@ fn mismatch(path: &str, what: &str, missing: &[String], unexpected: &[String], s
     )
 }
 
-impl Shared {
-    pub fn scalers_mut(&self) -> MutexGuard<'_, Vec<ScalerSlot>> {
-        self.scalers.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    pub fn claims_mut(&self) -> MutexGuard<'_, BTreeMap<usize, Filter>> {
-        self.claims.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// The installed stage-2 reducer, if any.
-    pub fn reducer(&self) -> Option<Arc<dyn GradReducer>> {
-        self.reducer.lock().unwrap_or_else(|p| p.into_inner()).clone()
-    }
-}
-
 /// The AMP handle: made once per run by [`initialize`] or [`Amp::new`], then used for every
 /// [`scale_loss`](Amp::scale_loss). Cheap to clone (clones share the run).
 #[derive(Clone)]
 pub struct Amp {
-    pub(crate) shared: Arc<Shared>,
+    pub(crate) run: Arc<RunState>,
 }
 
 impl std::fmt::Debug for Amp {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Amp")
-            .field("opt_level", &self.shared.props.opt_level)
-            .field("store", &self.shared.store)
+            .field("opt_level", &self.run.props.opt_level)
+            .field("store", &self.run.store)
             .finish()
     }
 }
@@ -152,33 +104,18 @@ impl Amp {
     /// Apex does (see [`AmpConfig::resolve`]).
     pub fn new(config: impl Into<AmpConfig>, device: &Device) -> Result<Self> {
         let props = config.into().resolve()?;
-        let store = ParamStore::new(StorePolicy::from_properties(&props), props.seed, device);
-        let scale = LossScale::from_properties(&props);
-        let scalers = (0..props.num_losses).map(|_| ScalerSlot::new(scale)).collect();
-        let casts = Arc::new(CastContext::new(
-            props.half.dtype(),
-            Some(store.clone()),
-            props.verbosity,
-        ));
+        let store = ParamStore::new(props.store_policy(), props.seed, device);
         Ok(Self {
-            shared: Arc::new(Shared {
-                props,
-                store,
-                scalers: Mutex::new(scalers),
-                reducer: Mutex::new(None),
-                claims: Mutex::new(BTreeMap::new()),
-                generators: Mutex::new(BTreeMap::new()),
-                casts,
-            }),
+            run: Arc::new(RunState::new(props, store)),
         })
     }
 
     /// The run's autocast policy: enabled when the properties patch functions (O1), else
     /// disabled (ops run in their inputs' types).
-    pub fn autocast_policy(&self) -> AutocastPolicy {
+    pub(crate) fn autocast_policy(&self) -> AutocastPolicy {
         AutocastPolicy {
-            enabled: self.shared.props.patch_functions,
-            context: self.shared.casts.clone(),
+            enabled: self.run.props.patch_functions,
+            context: self.run.casts.clone(),
         }
     }
 
@@ -186,33 +123,36 @@ impl Amp {
     /// wrapper does this around `forward` at O1; open it yourself to keep autocast around
     /// code outside the model (our losses compute in f32 regardless).
     pub fn autocast(&self) -> AutocastGuard {
-        crate::autocast::enter(self.autocast_policy())
-    }
-
-    /// The run's cast context (cache, registrations, counters).
-    pub fn cast_context(&self) -> &Arc<CastContext> {
-        &self.shared.casts
+        autocast::enter(self.autocast_policy())
     }
 
     /// Registers (or overrides) the autocast policy of an op name for this run; call user
     /// functions through [`crate::ops::call`] under that name.
     pub fn register_op(&self, name: &str, policy: CastPolicy) {
-        self.shared.casts.register(name, policy);
+        self.run.casts.register(name, policy);
+    }
+
+    /// The policy this run applies to an op name: its registration, else the built-in list
+    /// ([`crate::autocast::CAST_LISTS`]); `None` for ops on no list.
+    pub fn op_policy(&self, name: &str) -> Option<CastPolicy> {
+        self.run.casts.policy(name)
     }
 
     /// How many ops ran in half during the last completed `scale_loss` block (O1).
     pub fn autocast_ops(&self) -> usize {
-        self.shared.casts.last_step_half_ops()
+        self.run.casts.last_step_half_ops()
+    }
+
+    /// The run's cast cache: (casts held now, casts served from the cache so far).
+    pub fn cast_cache_stats(&self) -> (usize, usize) {
+        (self.run.casts.cached(), self.run.casts.cache_hits())
     }
 
     /// The run's generator called `name` (created, seeded from the run's seed and the name, on
     /// first use). Its state is part of [`state_dict`](Amp::state_dict) and checkpoints, so
     /// data order and dropout resume exactly.
     pub fn generator(&self, name: &str) -> Generator {
-        let mut g = self.shared.generators.lock().unwrap_or_else(|p| p.into_inner());
-        g.entry(name.to_string())
-            .or_insert_with(|| Generator::new(self.shared.props.seed, name))
-            .clone()
+        self.run.generator(name)
     }
 
     /// The run's state: properties, loss scalers, generators and f32 weights. Optimizer state
@@ -220,7 +160,7 @@ impl Amp {
     pub fn state_dict(&self) -> Result<AmpState> {
         let mut state = self.state_dict_without_weights();
         state.weights = self
-            .shared
+            .run
             .store
             .f32_values()?
             .iter()
@@ -231,19 +171,12 @@ impl Amp {
 
     /// The run's state but the weights (checkpoints keep those in safetensors).
     pub(crate) fn state_dict_without_weights(&self) -> AmpState {
-        let generators = self
-            .shared
-            .generators
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .map(|(k, g)| (k.clone(), g.snapshot()))
-            .collect();
+        let generators = self.run.generator_states();
         AmpState {
             format_version: STATE_FORMAT_VERSION,
-            properties: self.shared.props.clone(),
+            properties: self.run.props.clone(),
             scalers: self.scaler_states(),
-            store_rng: self.shared.store.rng_state(),
+            store_rng: self.run.store.rng_state(),
             generators,
             weights: BTreeMap::new(),
         }
@@ -251,7 +184,7 @@ impl Amp {
 
     /// Checks that `state` fits this run without changing anything: format version, number
     /// of loss scalers, and (when it carries weights) names and shapes.
-    pub fn check_state(&self, state: &AmpState, origin: &str) -> Result<()> {
+    pub(crate) fn check_state(&self, state: &AmpState, origin: &str) -> Result<()> {
         for (k, t) in &state.weights {
             if t.data.len() != t.shape.iter().product::<usize>() {
                 return Err(AmpError::checkpoint(
@@ -289,7 +222,7 @@ impl Amp {
                 ),
             ));
         }
-        let n = self.shared.props.num_losses;
+        let n = self.run.props.num_losses;
         if state.scalers.len() != n {
             return Err(AmpError::checkpoint(
                 origin,
@@ -301,7 +234,7 @@ impl Amp {
             ));
         }
         if let Some(w) = weights {
-            let (missing, unexpected, shapes) = self.shared.store.diff_names(w.iter().map(|(k, d)| (k, d.as_slice())));
+            let (missing, unexpected, shapes) = self.run.store.diff_names(w.iter().map(|(k, d)| (k, d.as_slice())));
             if !missing.is_empty() || !unexpected.is_empty() || !shapes.is_empty() {
                 return Err(mismatch(origin, "checkpoint", &missing, &unexpected, &shapes));
             }
@@ -312,23 +245,22 @@ impl Amp {
     /// Restores everything of `state` but the weights: scalers, generators.
     pub(crate) fn restore_run_state(&self, state: &AmpState) {
         {
-            let mut scalers = self.shared.scalers_mut();
+            let mut scalers = self.run.scalers_mut();
             for (slot, saved) in scalers.iter_mut().zip(&state.scalers) {
                 slot.state.restore_from(saved);
             }
         }
-        self.shared.store.set_rng_state(state.store_rng.clone());
+        self.run.store.set_rng_state(state.store_rng.clone());
         for (name, rng) in &state.generators {
             self.generator(name).restore(rng.clone());
         }
-        if state.properties.opt_level != self.shared.props.opt_level || state.properties.half != self.shared.props.half
-        {
+        if state.properties.opt_level != self.run.props.opt_level || state.properties.half != self.run.props.half {
             log::info!(
                 "loaded state saved at {} {} into a run at {} {}",
                 state.properties.opt_level,
                 state.properties.half,
-                self.shared.props.opt_level,
-                self.shared.props.half
+                self.run.props.opt_level,
+                self.run.props.half
             );
         }
     }
@@ -342,9 +274,9 @@ impl Amp {
     /// generators load. Everything is checked before anything changes.
     pub fn load_state_dict(&self, state: &AmpState) -> Result<()> {
         self.check_state(state, "the state dict")?;
-        let dev = self.shared.store.device().clone();
+        let dev = self.run.store.device().clone();
         for (k, t) in &state.weights {
-            self.shared.store.write_f32(k, &t.to_tensor(&dev)?)?;
+            self.run.store.write_f32(k, &t.to_tensor(&dev)?)?;
         }
         self.restore_run_state(state);
         Ok(())
@@ -356,13 +288,10 @@ impl Amp {
     /// are too. Nothing is written unless the whole file fits.
     pub fn load_weights(&self, path: impl AsRef<Path>, mode: LoadMode) -> Result<LoadReport> {
         let path = path.as_ref();
-        let file = crate::checkpoint::map_safetensors(path)?;
+        let file = map_safetensors(path)?;
         let views = file.tensors();
         let dims: BTreeMap<String, Vec<usize>> = views.iter().map(|(k, v)| (k.clone(), v.shape().to_vec())).collect();
-        let (missing, unexpected, shapes) = self
-            .shared
-            .store
-            .diff_names(dims.iter().map(|(k, d)| (k, d.as_slice())));
+        let (missing, unexpected, shapes) = self.run.store.diff_names(dims.iter().map(|(k, d)| (k, d.as_slice())));
         let strict_fail = mode == LoadMode::Strict && (!missing.is_empty() || !unexpected.is_empty());
         if strict_fail || !shapes.is_empty() {
             return Err(mismatch(
@@ -389,9 +318,9 @@ impl Amp {
                 continue;
             }
             let t = file
-                .load(name, self.shared.store.device())
+                .load(name, self.run.store.device())
                 .map_err(|e| AmpError::checkpoint(path, CheckpointErrorKind::Corrupt, format!("`{name}`: {e}")))?;
-            self.shared.store.write_f32(name, &t.to_dtype(DType::F32)?)?;
+            self.run.store.write_f32(name, &t.to_dtype(DType::F32)?)?;
             loaded.push(name.clone());
         }
         Ok(LoadReport {
@@ -404,44 +333,44 @@ impl Amp {
     /// Saves the weights for inference in the half type (buffers such as batch-norm
     /// statistics stay f32), cast from the f32 values, as safetensors.
     pub fn export_half(&self, path: impl AsRef<Path>) -> Result<()> {
-        let half = self.shared.props.half.dtype();
+        let half = self.run.props.half.dtype();
         let mut out = HashMap::new();
-        for p in self.shared.store.params() {
+        for p in self.run.store.params() {
             let v = p.f32_value()?;
-            let v = if p.kind == crate::store::ParamKind::Trainable {
+            let v = if p.kind() == ParamKind::Trainable {
                 v.to_dtype(half)?
             } else {
                 v
             };
-            out.insert(p.name.clone(), v);
+            out.insert(p.name().to_string(), v);
         }
         // Written beside the target and renamed over it: a crash never leaves half a file.
-        crate::checkpoint::write_safetensors_atomic(&out, path.as_ref())
+        write_safetensors_atomic(&out, path.as_ref())
     }
 
     /// The resolved properties.
     pub fn properties(&self) -> &Properties {
-        &self.shared.props
+        &self.run.props
     }
 
     /// The parameter store.
     pub fn store(&self) -> &ParamStore {
-        &self.shared.store
+        &self.run.store
     }
 
     /// A `VarBuilder` over the store, requesting the model type. Use it to build models whose
     /// forward takes other arguments; wrap their inputs with [`AmpModel::cast_input`] or just
     /// build an [`AmpModel`] with [`model`](Amp::model).
     pub fn var_builder(&self) -> VarBuilder<'static> {
-        self.shared.store.var_builder()
+        self.run.store.var_builder()
     }
 
     /// Builds a model from the store and wraps it. Several models may be built from one
     /// handle; their parameter names must not clash (use `vb.pp("gen")` etc.).
     pub fn model<M>(&self, build: impl FnOnce(VarBuilder<'static>) -> candle_core::Result<M>) -> Result<AmpModel<M>> {
         let inner = build(self.var_builder())?;
-        let policy = self.shared.props.patch_functions.then(|| self.autocast_policy());
-        Ok(AmpModel::new(inner, &self.shared.props, policy))
+        let policy = self.run.props.patch_functions.then(|| self.autocast_policy());
+        Ok(AmpModel::new(inner, &self.run.props, policy))
     }
 
     /// An optimizer over every trainable parameter of the store (also ones built later).
@@ -460,39 +389,23 @@ impl Amp {
         algo: impl Optimizer + 'static,
         filter: impl Fn(&str) -> bool + Send + Sync + 'static,
     ) -> Result<AmpOptimizer> {
-        AmpOptimizer::new(self.shared.clone(), Box::new(algo), Arc::new(filter))
+        AmpOptimizer::new(self.run.clone(), Box::new(algo), Arc::new(filter))
     }
 
     /// Installs the stage-2 gradient reducer (data parallel); both the guard and
     /// [`crate::GradScaler`] run it.
     pub fn set_grad_reducer(&self, reducer: Option<Arc<dyn GradReducer>>) {
-        *self.shared.reducer.lock().unwrap_or_else(|p| p.into_inner()) = reducer;
-    }
-
-    pub(crate) fn check_loss_id(&self, id: usize) -> Result<()> {
-        let n = self.shared.props.num_losses;
-        if id >= n {
-            return Err(AmpError::LossId { id, num_losses: n });
-        }
-        Ok(())
+        self.run.set_reducer(reducer);
     }
 
     /// The current scale of loss scaler `loss_id`.
     pub fn loss_scale(&self, loss_id: usize) -> Result<f32> {
-        self.check_loss_id(loss_id)?;
-        Ok(self.shared.scalers_mut()[loss_id].state.scale.scale())
+        self.run.loss_scale(loss_id)
     }
 
     /// The state of every loss scaler (scale and skip counters), by loss id.
     pub fn scaler_states(&self) -> Vec<ScalerState> {
-        self.shared.scalers_mut().iter().map(|s| s.state.clone()).collect()
-    }
-
-    /// Replaces the state of loss scaler `loss_id` (for resuming).
-    pub fn set_scaler_state(&self, loss_id: usize, state: ScalerState) -> Result<()> {
-        self.check_loss_id(loss_id)?;
-        self.shared.scalers_mut()[loss_id].state = state;
-        Ok(())
+        self.run.scaler_states()
     }
 
     /// Opens a [`ScaleLoss`] guard for loss id 0 and one optimizer. See [`ScaleLoss`] for
@@ -518,7 +431,7 @@ impl Amp {
     /// # Ok(()) }
     /// ```
     pub fn scale_loss<'a>(&'a self, loss: &Tensor, optimizer: &'a mut AmpOptimizer) -> Result<ScaleLoss<'a>> {
-        ScaleLoss::new(self, loss, 0, vec![optimizer])
+        ScaleLoss::new(&self.run, loss, 0, vec![optimizer])
     }
 
     /// Opens a [`ScaleLoss`] guard with the scaler of `loss_id`.
@@ -528,7 +441,7 @@ impl Amp {
         loss_id: usize,
         optimizer: &'a mut AmpOptimizer,
     ) -> Result<ScaleLoss<'a>> {
-        ScaleLoss::new(self, loss, loss_id, vec![optimizer])
+        ScaleLoss::new(&self.run, loss, loss_id, vec![optimizer])
     }
 
     /// Opens a [`ScaleLoss`] guard for several optimizers at once (every optimizer owning
@@ -539,7 +452,7 @@ impl Amp {
         loss_id: usize,
         optimizers: Vec<&'a mut AmpOptimizer>,
     ) -> Result<ScaleLoss<'a>> {
-        ScaleLoss::new(self, loss, loss_id, optimizers)
+        ScaleLoss::new(&self.run, loss, loss_id, optimizers)
     }
 }
 

@@ -29,9 +29,8 @@
 //! damaged `LATEST` is recovered from the newest version that verifies, and the load says so
 //! ([`Checkpoint::recovered_from`]).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fs::{self, File};
-use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -41,9 +40,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::amp::{Amp, AmpState, STATE_FORMAT_VERSION};
 use crate::error::{AmpError, CheckpointErrorKind as Kind, Result};
-use crate::opt_level::Properties;
-use crate::optim::{AmpOptimizer, AmpOptimizerState, GroupHyper, OptimizerState, ParamState};
-use crate::scaler::ScalerState;
+use crate::files::{crc_of, fsync_dir, map_safetensors, write_safetensors, write_synced};
+use crate::precision::opt_level::Properties;
+use crate::scaling::scaler::ScalerState;
+use crate::train::optim::{AmpOptimizer, AmpOptimizerState, GroupHyper, OptimizerState, ParamState, same_values};
 
 const LATEST: &str = "LATEST";
 const WEIGHTS: &str = "weights.safetensors";
@@ -134,7 +134,7 @@ impl PartialEq for Checkpoint {
                         && wa
                             .iter()
                             .zip(&wb)
-                            .all(|((ka, a), (kb, b))| ka == kb && crate::optim::same_values(a, b))
+                            .all(|((ka, a), (kb, b))| ka == kb && same_values(a, b))
                 }
                 _ => false,
             }
@@ -179,7 +179,7 @@ impl Checkpoint {
             let v = p.f32_value()?;
             // Shares the live Var's storage when it is the master or an f32 working weight.
             let v = if copy && p.f32_var().is_some() { v.copy()? } else { v };
-            weights.insert(p.name.clone(), v.detach());
+            weights.insert(p.name().to_string(), v.detach());
         }
         let mut buffers = BTreeMap::new();
         let mut records = Vec::new();
@@ -218,11 +218,6 @@ impl Checkpoint {
     /// Replaces the user's own data.
     pub fn set_extra(&mut self, extra: serde_json::Value) {
         self.extra = extra;
-    }
-
-    /// Where it came from: the version directory it was loaded from, or a capture.
-    pub fn origin(&self) -> &str {
-        &self.origin
     }
 
     /// When `LATEST` was damaged and this checkpoint is the newest version that verified:
@@ -423,82 +418,6 @@ pub struct CheckpointDir {
     keep: usize,
 }
 
-fn fsync_dir(dir: &Path) -> Result<()> {
-    File::open(dir)
-        .and_then(|f| f.sync_all())
-        .map_err(|e| AmpError::io(dir, e))
-}
-
-fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
-    let mut f = File::create(path).map_err(|e| AmpError::io(path, e))?;
-    f.write_all(bytes)
-        .and_then(|_| f.sync_all())
-        .map_err(|e| AmpError::io(path, e))
-}
-
-/// Size and CRC-32 of a file, read through a small buffer (never the whole file at once).
-fn crc_of(path: &Path) -> Result<(u64, u32)> {
-    let mut f = File::open(path).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => {
-            AmpError::checkpoint(path, Kind::MissingFile, "listed in the manifest but missing")
-        }
-        _ => AmpError::io(path, e),
-    })?;
-    let mut h = crc32fast::Hasher::new();
-    let mut buf = vec![0u8; 1 << 20];
-    let mut n = 0u64;
-    loop {
-        let k = f.read(&mut buf).map_err(|e| AmpError::io(path, e))?;
-        if k == 0 {
-            break;
-        }
-        h.update(&buf[..k]);
-        n += k as u64;
-    }
-    Ok((n, h.finalize()))
-}
-
-/// Writes tensors as safetensors to `path` (one tensor's bytes in memory at a time) and
-/// syncs the file.
-fn write_safetensors(tensors: &BTreeMap<String, Tensor>, path: &Path) -> Result<()> {
-    let map: HashMap<&str, Tensor> = tensors.iter().map(|(k, t)| (k.as_str(), t.clone())).collect();
-    candle_core::safetensors::save(&map, path).map_err(|e| AmpError::checkpoint(path, Kind::Io, e.to_string()))?;
-    File::open(path)
-        .and_then(|f| f.sync_all())
-        .map_err(|e| AmpError::io(path, e))
-}
-
-/// Writes safetensors beside `path` and renames them over it, so that a crash leaves either
-/// the old file or the new one.
-pub(crate) fn write_safetensors_atomic(tensors: &HashMap<String, Tensor>, path: &Path) -> Result<()> {
-    let name = path
-        .file_name()
-        .ok_or_else(|| AmpError::checkpoint(path, Kind::Io, "not a file path"))?;
-    let tmp = path.with_file_name(format!(".{}.tmp", name.to_string_lossy()));
-    let sorted: BTreeMap<String, Tensor> = tensors.iter().map(|(k, t)| (k.clone(), t.clone())).collect();
-    let res = write_safetensors(&sorted, &tmp).and_then(|_| fs::rename(&tmp, path).map_err(|e| AmpError::io(path, e)));
-    if res.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    res?;
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        fsync_dir(dir)?;
-    }
-    Ok(())
-}
-
-/// Memory-maps a safetensors file, with typed errors (`NotFound`, `Corrupt`).
-pub(crate) fn map_safetensors(path: &Path) -> Result<MmapedSafetensors> {
-    if let Err(e) = fs::metadata(path) {
-        return Err(AmpError::io(path, e));
-    }
-    // SAFETY: the file is only read through the map. This crate never writes a file in
-    // place (every file is written beside and renamed), so the mapped bytes do not change
-    // under us unless another program rewrites the file in place.
-    unsafe { MmapedSafetensors::new(path) }
-        .map_err(|e| AmpError::checkpoint(path, Kind::Corrupt, format!("not a safetensors file: {e}")))
-}
-
 fn version_name(n: u64) -> String {
     format!("v{n:08}")
 }
@@ -575,7 +494,7 @@ impl CheckpointDir {
     }
 
     /// The version `LATEST` names, if any (an error if it is damaged).
-    pub fn latest_version(&self) -> Result<Option<u64>> {
+    fn latest_version(&self) -> Result<Option<u64>> {
         let p = self.root.join(LATEST);
         match fs::read(&p) {
             Ok(b) => {
@@ -823,6 +742,18 @@ impl CheckpointDir {
                 &mpath,
                 Kind::Corrupt,
                 format!("not a {FORMAT} manifest"),
+            ));
+        }
+        if manifest.format_version < STATE_FORMAT_VERSION {
+            return Err(AmpError::checkpoint(
+                &mpath,
+                Kind::OldFormat,
+                format!(
+                    "format version {} was written by an earlier candle-amp; this build reads version \
+                     {STATE_FORMAT_VERSION} (every tensor in safetensors): load it with the version that wrote it \
+                     and export the weights (Amp::export_half or weights.safetensors) to start from",
+                    manifest.format_version
+                ),
             ));
         }
         if manifest.format_version > STATE_FORMAT_VERSION {

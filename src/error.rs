@@ -3,8 +3,6 @@
 //! Every error says what was wrong and what to do about it. Errors from candle itself are
 //! wrapped in [`AmpError::Candle`] so that `?` works across both.
 
-use candle_core::DType;
-
 /// The result type of every fallible function in this crate.
 pub type Result<T> = std::result::Result<T, AmpError>;
 
@@ -12,15 +10,25 @@ pub type Result<T> = std::result::Result<T, AmpError>;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum AmpError {
-    /// An opt-level property override that the level does not accept (Apex's rules), or a
-    /// value out of range.
+    /// An [`crate::AmpConfig`] property that the level does not accept (Apex's rules), or a
+    /// property value out of range.
     #[error("invalid AMP property `{property}` at {level}: {reason}")]
     InvalidOverride {
         /// The property's name, as in the opt-level table.
         property: &'static str,
-        /// The opt level it was applied to.
-        level: String,
+        /// The opt level it was applied to (`"O0"`..`"O3"`).
+        level: &'static str,
         /// Why it was rejected and what to do instead.
+        reason: String,
+    },
+
+    /// An argument out of range: a `GradScaler` or loss-scale parameter, a clipping norm, a
+    /// new scale.
+    #[error("invalid argument `{argument}`: {reason}")]
+    InvalidArgument {
+        /// The argument's name.
+        argument: &'static str,
+        /// What is required.
         reason: String,
     },
 
@@ -35,9 +43,17 @@ pub enum AmpError {
         expected: &'static str,
     },
 
-    /// The guard and optimizer were called in an order that would corrupt training.
-    #[error("wrong call order: {0}")]
-    CallOrder(String),
+    /// The guard, an optimizer or a `GradScaler` was called in an order that would corrupt
+    /// training. Nothing was changed.
+    #[error("wrong call order: {call}: {detail}")]
+    CallOrder {
+        /// The call that was refused (`"step"`, `"scale_loss"`, `"unscale"`, ...).
+        call: &'static str,
+        /// What state made it wrong.
+        kind: CallOrderKind,
+        /// The state and what to call first.
+        detail: String,
+    },
 
     /// A loss id outside `0..num_losses`.
     #[error(
@@ -78,6 +94,15 @@ pub enum AmpError {
         reason: String,
     },
 
+    /// An optimizer parameter group that does not exist, or a group setting out of range.
+    #[error("parameter group {group}: {reason}")]
+    Group {
+        /// The group's index.
+        group: usize,
+        /// What was wrong.
+        reason: String,
+    },
+
     /// Two optimizers of one run claim the same trainable parameter (each would update it).
     #[error("parameter `{param}` belongs to two optimizers: {detail}")]
     Ownership {
@@ -85,17 +110,6 @@ pub enum AmpError {
         param: String,
         /// Which optimizer owns it and what to do.
         detail: String,
-    },
-
-    /// A tensor had a dtype that the operation cannot take.
-    #[error("unsupported dtype {dtype:?} for {op}: {hint}")]
-    DType {
-        /// The offending dtype.
-        dtype: DType,
-        /// The operation.
-        op: &'static str,
-        /// What to do instead.
-        hint: &'static str,
     },
 
     /// Optimizer state that does not fit the optimizer it is loaded into.
@@ -119,6 +133,26 @@ pub enum AmpError {
     Candle(#[from] candle_core::Error),
 }
 
+/// What made a call out of order ([`AmpError::CallOrder`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CallOrderKind {
+    /// `step` with no backward since the last `zero_grad` (or ever).
+    NoGradients,
+    /// `step` again before `zero_grad` and a new backward.
+    AlreadyStepped,
+    /// A backward (or `GradScaler` call) after `step` without `zero_grad` in between: the new
+    /// gradients would be added to the ones already applied.
+    NotZeroed,
+    /// An optimizer used with an AMP handle that did not make it.
+    ForeignOptimizer,
+    /// `GradScaler`: `unscale` or `accumulate` after `unscale` on this optimizer before
+    /// `update`.
+    AlreadyUnscaled,
+    /// `GradScaler`: `update` with no inf check recorded since the last one.
+    NothingRecorded,
+}
+
 /// Kinds of [`AmpError::Checkpoint`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -133,6 +167,9 @@ pub enum CheckpointErrorKind {
     Corrupt,
     /// Written by a newer format version than this build reads.
     NewerFormat,
+    /// Written by an older format version that this build no longer reads (version 1 kept
+    /// optimizer state in JSON).
+    OldFormat,
     /// From a different model (names, shapes), another optimizer or scaler setup.
     Mismatch,
     /// The file system failed.
@@ -147,6 +184,7 @@ impl std::fmt::Display for CheckpointErrorKind {
             CheckpointErrorKind::Truncated => "truncated",
             CheckpointErrorKind::Corrupt => "corrupt",
             CheckpointErrorKind::NewerFormat => "newer format",
+            CheckpointErrorKind::OldFormat => "older format",
             CheckpointErrorKind::Mismatch => "does not match",
             CheckpointErrorKind::Io => "i/o error",
         };
@@ -155,8 +193,21 @@ impl std::fmt::Display for CheckpointErrorKind {
 }
 
 impl AmpError {
+    /// A call-order error.
+    pub(crate) fn call_order(call: &'static str, kind: CallOrderKind, detail: impl Into<String>) -> Self {
+        AmpError::CallOrder {
+            call,
+            kind,
+            detail: detail.into(),
+        }
+    }
+
     /// A checkpoint error.
-    pub fn checkpoint(path: impl AsRef<std::path::Path>, kind: CheckpointErrorKind, detail: impl Into<String>) -> Self {
+    pub(crate) fn checkpoint(
+        path: impl AsRef<std::path::Path>,
+        kind: CheckpointErrorKind,
+        detail: impl Into<String>,
+    ) -> Self {
         AmpError::Checkpoint {
             path: path.as_ref().display().to_string(),
             kind,
@@ -165,13 +216,21 @@ impl AmpError {
     }
 
     /// An I/O error as a checkpoint error (`NotFound` when the file is missing).
-    pub fn io(path: impl AsRef<std::path::Path>, e: std::io::Error) -> Self {
+    pub(crate) fn io(path: impl AsRef<std::path::Path>, e: std::io::Error) -> Self {
         let kind = if e.kind() == std::io::ErrorKind::NotFound {
             CheckpointErrorKind::NotFound
         } else {
             CheckpointErrorKind::Io
         };
         Self::checkpoint(path, kind, e.to_string())
+    }
+
+    /// The call-order kind, if this is a call-order error.
+    pub fn call_order_kind(&self) -> Option<CallOrderKind> {
+        match self {
+            AmpError::CallOrder { kind, .. } => Some(*kind),
+            _ => None,
+        }
     }
 
     /// The checkpoint error kind, if this is one.

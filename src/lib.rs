@@ -27,38 +27,41 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Modules, one concept each: [`opt_level`] (the property table, as data), [`loss_scale`]
-//! (the scale value type), [`store`] (parameters and f32 masters), [`guard`] (the
-//! `scale_loss` pipeline), [`optim`] (our optimizer trait and algorithms), [`model`] (the
-//! wrapper), [`nn`] (layers that work at every level).
+//! The public surface: [`initialize`], [`AmpConfig`]/[`OptLevel`]/[`HalfType`], the handle
+//! [`Amp`] and its guard [`ScaleLoss`], the model wrapper [`AmpModel`], [`optim`] (our
+//! optimizers and the [`AmpOptimizer`] that drives them), the PyTorch-style [`GradScaler`],
+//! [`autocast`] scopes, [`ops`] and [`nn`] layers, [`checkpoint`]s, the error types, and the
+//! extension points: a [`GradReducer`] for data parallelism, a backward driver for
+//! [`ScaleLoss::backward_with`], the [`optim::Optimizer`] trait.
+//!
+//! The crate is built in floors, each depending only on those below it (ARCHITECTURE.md
+//! draws it): `error`; `scaling` (the loss scale) and `kernels`; `precision` (opt levels,
+//! parameter store, autocast, ops, model wrapper); `train` (run state, optimizers, the
+//! guard's pipeline, `GradScaler`); `nn`; the [`Amp`] handle; [`checkpoint`].
 
 #![warn(missing_docs)]
 
-pub mod amp;
-pub mod autocast;
+mod amp;
 pub mod checkpoint;
-pub mod error;
-pub mod grad_scaler;
-pub mod guard;
+mod error;
+mod files;
 mod kernels;
-pub mod loss_scale;
-pub mod model;
 pub mod nn;
-pub mod ops;
-pub mod opt_level;
-pub mod optim;
-pub mod rng;
-pub mod scaler;
+mod precision;
+mod scaling;
 mod serde_f32;
-pub mod store;
+mod train;
 
-pub use amp::{Amp, AmpState, GradReducer, LoadMode, LoadReport, STATE_FORMAT_VERSION, initialize, initialize_on};
-pub use error::{AmpError, CheckpointErrorKind, Result};
-pub use grad_scaler::{GradScaler, GradScalerState};
-pub use guard::{BackwardReport, ScaleLoss};
-pub use loss_scale::LossScale;
-pub use model::AmpModel;
-pub use opt_level::{AmpConfig, DynamicParams, HalfType, LossScaleSpec, OptLevel, Properties};
-pub use optim::{AmpOptimizer, StepOutcome};
-pub use scaler::ScalerState;
-pub use store::ParamStore;
+pub use amp::{Amp, AmpState, LoadReport, initialize, initialize_on};
+pub use error::{AmpError, CallOrderKind, CheckpointErrorKind, Result};
+pub use precision::model::AmpModel;
+pub use precision::opt_level::{AmpConfig, HalfType, OptLevel, Properties};
+pub use precision::store::{LoadMode, Param, ParamKind, ParamStore};
+pub use precision::{autocast, ops};
+pub use scaling::{DynamicParams, LossScale, LossScaleSpec, ScalerState};
+pub use train::grad_scaler::{GradScaler, GradScalerState};
+pub use train::guard::{BackwardReport, ScaleLoss};
+pub use train::optim;
+pub use train::optim::{AmpOptimizer, StepOutcome};
+pub use train::reduce::GradReducer;
+pub use train::rng::Generator;

@@ -20,7 +20,7 @@ fn text(v: f32) -> &'static str {
 }
 
 /// Serialises one value.
-pub fn serialize<S: Serializer>(v: &f32, s: S) -> Result<S::Ok, S::Error> {
+pub(crate) fn serialize<S: Serializer>(v: &f32, s: S) -> Result<S::Ok, S::Error> {
     if v.is_finite() {
         s.serialize_f32(*v)
     } else {
@@ -60,12 +60,12 @@ impl<'de> Visitor<'de> for F32Visitor {
 }
 
 /// Deserialises one value.
-pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f32, D::Error> {
+pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f32, D::Error> {
     d.deserialize_any(F32Visitor)
 }
 
 /// The same for `Vec<f32>`.
-pub mod vec {
+pub(crate) mod vec {
     use super::*;
 
     struct Elem(f32);
@@ -83,7 +83,7 @@ pub mod vec {
     }
 
     /// Serialises a vector.
-    pub fn serialize<S: Serializer>(v: &[f32], s: S) -> Result<S::Ok, S::Error> {
+    pub(crate) fn serialize<S: Serializer>(v: &[f32], s: S) -> Result<S::Ok, S::Error> {
         let mut seq = s.serialize_seq(Some(v.len()))?;
         for x in v {
             seq.serialize_element(&Elem(*x))?;
@@ -110,7 +110,7 @@ pub mod vec {
     }
 
     /// Deserialises a vector.
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<f32>, D::Error> {
+    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<f32>, D::Error> {
         d.deserialize_seq(VecVisitor)
     }
 }

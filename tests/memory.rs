@@ -54,7 +54,7 @@ struct Everything {
 }
 
 impl Everything {
-    fn new(vb: VarBuilder, drop: amp::rng::Generator) -> candle_core::Result<Self> {
+    fn new(vb: VarBuilder, drop: amp::Generator) -> candle_core::Result<Self> {
         let pad = candle_nn::Conv2dConfig {
             padding: 1,
             ..Default::default()

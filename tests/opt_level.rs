@@ -135,7 +135,7 @@ fn overrides_win_over_the_table() {
     assert_eq!(p.loss_scale, LossScaleSpec::Static(128.0));
     assert_eq!(p.output_dtype(), Some(DType::F16));
     assert_eq!(p.num_losses, 3);
-    assert!(p.table().contains("loss_scale           128"));
+    assert!(p.to_string().contains("loss_scale           128"));
 }
 
 #[test]

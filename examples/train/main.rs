@@ -237,8 +237,12 @@ fn score(kind: ModelKind, logits: &Tensor, y: &Tensor) -> Result<(Tensor, usize,
 }
 
 /// The half type a level computes in, for the table: none at O0 (pure f32).
-fn half_label(level: amp::OptLevel, half: amp::HalfType) -> &'static str {
-    if level == amp::OptLevel::O0 { "-" } else { half.name() }
+fn half_label(level: amp::OptLevel, half: amp::HalfType) -> String {
+    if level == amp::OptLevel::O0 {
+        "-".into()
+    } else {
+        half.to_string()
+    }
 }
 
 /// Fails now, before any training, if `dir` cannot be created or written.
@@ -293,9 +297,9 @@ fn train_one(kind: ModelKind, task: &Task, level: amp::OptLevel, a: &Args) -> Re
         .store()
         .params()
         .iter()
-        .find(|p| p.kind == amp::store::ParamKind::Trainable && p.name.ends_with("weight"))
+        .find(|p| p.kind() == amp::ParamKind::Trainable && p.name().ends_with("weight"))
         .context("the model has weights")?
-        .working
+        .working()
         .dtype();
 
     let mut start = 0usize;
@@ -485,7 +489,7 @@ fn main() -> Result<()> {
                 let mut line = serde_json::json!({
                     "model": kind.name(),
                     "opt_level": r.level.to_string(),
-                    "half": a.half.name(),
+                    "half": a.half.to_string(),
                     "param_dtype": r.param_dtype.as_str(),
                     "seed": a.seed,
                     "steps": a.steps,

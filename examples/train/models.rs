@@ -1,9 +1,9 @@
 //! The example's models, written with `candle_amp::nn` and `candle_amp::ops` so that O1
 //! autocasts them (with `candle_nn` layers O1 would compute in f32, as O0).
 
+use candle_amp::Generator;
 use candle_amp::nn as ann;
 use candle_amp::ops;
-use candle_amp::rng::Generator;
 use candle_core::{Result, Tensor};
 use candle_nn::{Module, ModuleT, VarBuilder};
 

@@ -2,7 +2,8 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use crate::ops;
+use crate::precision::autocast;
+use crate::precision::ops;
 
 /// A `(t, t)` f32 mask with 0 on and below the diagonal and -inf above (position `i` may
 /// attend to `j <= i`).
@@ -33,7 +34,7 @@ pub fn scaled_dot_product_attention(
             .contiguous()?,
     )?;
     // f32 for the mask and softmax (f64 stays f64).
-    let sdt = if crate::autocast::eligible(scores.dtype()) {
+    let sdt = if autocast::eligible(scores.dtype()) {
         DType::F32
     } else {
         scores.dtype()
@@ -46,7 +47,7 @@ pub fn scaled_dot_product_attention(
         scores = scores.broadcast_add(&m.to_dtype(sdt)?)?;
     }
     let probs = ops::softmax(&scores, scores.rank() - 1)?;
-    let probs = if crate::autocast::is_enabled() {
+    let probs = if autocast::is_enabled() {
         probs
     } else {
         probs.to_dtype(v.dtype())?

@@ -86,7 +86,7 @@ impl BatchNorm {
             )
         }
         let shape = Self::stat_shape(x);
-        let sdt = if crate::autocast::eligible(x.dtype()) {
+        let sdt = if crate::precision::autocast::eligible(x.dtype()) {
             DType::F32
         } else {
             x.dtype()

@@ -3,7 +3,7 @@
 use candle_core::{Result, Tensor};
 use candle_nn::{Conv1dConfig, Conv2dConfig, ConvTranspose2dConfig, Module, VarBuilder};
 
-use crate::ops;
+use crate::precision::ops;
 
 /// A 1-d convolution.
 #[derive(Debug, Clone)]

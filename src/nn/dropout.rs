@@ -4,7 +4,7 @@ use candle_core::{Result, Tensor};
 use candle_nn::ModuleT;
 use rand::Rng;
 
-use crate::rng::Generator;
+use crate::train::rng::Generator;
 
 /// Inverted dropout: in training, zeroes each element with probability `p` and scales the
 /// rest by `1/(1-p)`; in evaluation, the identity. Masks come from a [`Generator`] (e.g.

@@ -3,7 +3,7 @@
 use candle_core::{Result, Tensor};
 use candle_nn::{Module, VarBuilder};
 
-use crate::ops;
+use crate::precision::ops;
 
 /// A linear layer `x w^T + b` that runs in half under autocast.
 #[derive(Debug, Clone)]

@@ -41,11 +41,11 @@ pub use dropout::Dropout;
 pub use linear::{Embedding, Linear, embedding, linear, linear_no_bias};
 pub use norm::{GroupNorm, LayerNorm, RmsNorm, group_norm, layer_norm, rms_norm};
 
-pub use crate::ops::{log_softmax, softmax};
+pub use crate::precision::ops::{log_softmax, softmax};
 
 /// Losses: always computed and returned in f32.
 pub mod loss {
-    pub use crate::ops::{
+    pub use crate::precision::ops::{
         binary_cross_entropy, binary_cross_entropy_with_logits, cross_entropy, kl_div, l1, mse, nll, smooth_l1,
     };
 }

@@ -3,7 +3,7 @@
 use candle_core::{Result, Tensor};
 use candle_nn::{Init, LayerNormConfig, Module, VarBuilder};
 
-use crate::ops;
+use crate::precision::ops;
 
 /// Layer normalisation over the last dimension.
 #[derive(Debug, Clone)]

@@ -72,7 +72,7 @@ pub fn f32_copy(store: &amp::ParamStore) -> VarMap {
         let mut data = vm.data().lock().unwrap();
         for p in store.params() {
             let v = Var::from_tensor(&p.f32_value().unwrap().copy().unwrap()).unwrap();
-            data.insert(p.name.clone(), v);
+            data.insert(p.name().to_string(), v);
         }
     }
     vm
@@ -97,7 +97,7 @@ pub fn store_values(store: &amp::ParamStore) -> std::collections::BTreeMap<Strin
     store
         .params()
         .into_iter()
-        .map(|p| (p.name.clone(), flat(&p.f32_value().unwrap())))
+        .map(|p| (p.name().to_string(), flat(&p.f32_value().unwrap())))
         .collect()
 }
 
@@ -107,8 +107,8 @@ pub fn working_bits(store: &amp::ParamStore) -> std::collections::BTreeMap<Strin
         .params()
         .into_iter()
         .map(|p| {
-            let t = p.working.as_tensor().to_dtype(DType::F32).unwrap();
-            (p.name.clone(), flat(&t).into_iter().map(f32::to_bits).collect())
+            let t = p.working().to_dtype(DType::F32).unwrap();
+            (p.name().to_string(), flat(&t).into_iter().map(f32::to_bits).collect())
         })
         .collect()
 }

@@ -17,9 +17,9 @@
 //!   f32 Vars that never get gradients.
 //!
 //! The store hands the working Var's tensor to the model itself (never a detached copy), so
-//! [`ParamStore::write_f32`] is seen by the model. Every write bumps a generation counter
-//! that caches of derived tensors key on (`Var::set` keeps a tensor's id, so an id-keyed cache
-//! would go stale).
+//! [`ParamStore::write_f32`] is seen by the model. Parameters are read through [`Param`]'s
+//! accessors: values change only through the store and the optimizers, which keep masters
+//! and working copies in step.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -32,11 +32,10 @@ use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, StandardNormal};
 
 use crate::error::{AmpError, Result};
-use crate::opt_level::Properties;
 
 /// Last name components that mark a buffer (a non-trainable f32 state such as batch-norm
 /// running statistics).
-pub const BUFFER_NAMES: [&str; 3] = ["running_mean", "running_var", "num_batches_tracked"];
+pub(crate) const BUFFER_NAMES: [&str; 3] = ["running_mean", "running_var", "num_batches_tracked"];
 
 /// Whether a parameter is trained or is a buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,9 +46,19 @@ pub enum ParamKind {
     Buffer,
 }
 
-/// What the store builds, derived from the run's properties.
+/// Whether loading weights insists that names match exactly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadMode {
+    /// Missing and unexpected names are errors.
+    Strict,
+    /// Load the names both sides have; report the rest.
+    Lenient,
+}
+
+/// What the store builds, derived from the run's properties
+/// ([`crate::Properties`] makes it).
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct StorePolicy {
+pub(crate) struct StorePolicy {
     /// The type trainable parameters are built in (`None`: the type the layer asks for).
     pub model_dtype: Option<DType>,
     /// Keep an f32 master beside each half trainable parameter.
@@ -59,17 +68,8 @@ pub struct StorePolicy {
 }
 
 impl StorePolicy {
-    /// The policy a run's properties ask for.
-    pub fn from_properties(p: &Properties) -> Self {
-        Self {
-            model_dtype: p.cast_model_type,
-            master_weights: p.master_weights,
-            keep_f32_requests: p.batchnorm_f32(),
-        }
-    }
-
     /// The dtype the VarBuilder requests by default.
-    pub fn builder_dtype(&self) -> DType {
+    fn builder_dtype(&self) -> DType {
         self.model_dtype.unwrap_or(DType::F32)
     }
 
@@ -85,23 +85,47 @@ impl StorePolicy {
     }
 }
 
-/// One parameter: its working Var (what the model computes with) and, at O2, its f32 master.
+/// One parameter, read-only: its working value (what the model computes with) and, at O2,
+/// its f32 master. Get it from [`ParamStore::param`] or [`ParamStore::params`].
 #[derive(Debug, Clone)]
 pub struct Param {
-    /// The dotted name (`"fc1.weight"`).
-    pub name: String,
-    /// Trainable or buffer.
-    pub kind: ParamKind,
-    /// The Var the model holds.
-    pub working: Var,
-    /// The f32 master, when kept.
-    pub master: Option<Var>,
-    /// Frozen parameters are not updated by optimizers.
-    pub frozen: bool,
+    name: String,
+    kind: ParamKind,
+    working: Var,
+    master: Option<Var>,
+    frozen: bool,
 }
 
 impl Param {
-    /// The parameter's value in f32: the master if there is one, else the working value cast.
+    /// The dotted name (`"fc1.weight"`).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Trainable or buffer.
+    pub fn kind(&self) -> ParamKind {
+        self.kind
+    }
+
+    /// The tensor the model computes with (half at O2 and O3). It is the model's own tensor:
+    /// use it as a key into a `GradStore`; change values through
+    /// [`ParamStore::write_f32`].
+    pub fn working(&self) -> &Tensor {
+        self.working.as_tensor()
+    }
+
+    /// The f32 master, where one is kept (O2).
+    pub fn master(&self) -> Option<&Tensor> {
+        self.master.as_ref().map(|m| m.as_tensor())
+    }
+
+    /// Whether optimizers skip it ([`ParamStore::set_frozen`]).
+    pub fn is_frozen(&self) -> bool {
+        self.frozen
+    }
+
+    /// The parameter's value in f32: the master if there is one, else the working value
+    /// (cast). It may share storage with the live parameter: `copy()` it to keep it.
     pub fn f32_value(&self) -> Result<Tensor> {
         match &self.master {
             Some(m) => Ok(m.as_tensor().clone()),
@@ -109,9 +133,14 @@ impl Param {
         }
     }
 
+    /// The working Var.
+    pub(crate) fn working_var(&self) -> &Var {
+        &self.working
+    }
+
     /// The persistent f32 Var holding this parameter, if one exists (the master, or the
     /// working Var when it is f32).
-    pub fn f32_var(&self) -> Option<&Var> {
+    pub(crate) fn f32_var(&self) -> Option<&Var> {
         match &self.master {
             Some(m) => Some(m),
             None if self.working.dtype() == DType::F32 => Some(&self.working),
@@ -120,7 +149,7 @@ impl Param {
     }
 
     /// Whether the parameter trains (trainable and not frozen).
-    pub fn trains(&self) -> bool {
+    pub(crate) fn trains(&self) -> bool {
         self.kind == ParamKind::Trainable && !self.frozen
     }
 }
@@ -129,7 +158,6 @@ struct Inner {
     params: Vec<Param>,
     index: HashMap<String, usize>,
     rng: ChaCha8Rng,
-    generation: u64,
     policy: StorePolicy,
 }
 
@@ -146,20 +174,18 @@ impl std::fmt::Debug for ParamStore {
         f.debug_struct("ParamStore")
             .field("params", &g.params.len())
             .field("policy", &g.policy)
-            .field("generation", &g.generation)
             .finish()
     }
 }
 
 impl ParamStore {
     /// An empty store on `device` whose generator is seeded with `seed`.
-    pub fn new(policy: StorePolicy, seed: u64, device: &Device) -> Self {
+    pub(crate) fn new(policy: StorePolicy, seed: u64, device: &Device) -> Self {
         Self {
             inner: Arc::new(Mutex::new(Inner {
                 params: Vec::new(),
                 index: HashMap::new(),
                 rng: ChaCha8Rng::seed_from_u64(seed),
-                generation: 0,
                 policy,
             })),
             device: device.clone(),
@@ -176,14 +202,9 @@ impl ParamStore {
         &self.device
     }
 
-    /// The store's policy.
-    pub fn policy(&self) -> StorePolicy {
-        self.lock().policy
-    }
-
     /// A `VarBuilder` backed by this store, requesting the model type.
-    pub fn var_builder(&self) -> VarBuilder<'static> {
-        let dtype = self.policy().builder_dtype();
+    pub(crate) fn var_builder(&self) -> VarBuilder<'static> {
+        let dtype = self.lock().policy.builder_dtype();
         VarBuilder::from_backend(Box::new(self.clone()), dtype, self.device.clone())
     }
 
@@ -208,18 +229,13 @@ impl ParamStore {
             .collect()
     }
 
-    /// The write generation: bumped by every [`write_f32`](Self::write_f32).
-    pub fn generation(&self) -> u64 {
-        self.lock().generation
-    }
-
     /// A copy of the initialisation generator's state.
-    pub fn rng_state(&self) -> ChaCha8Rng {
+    pub(crate) fn rng_state(&self) -> ChaCha8Rng {
         self.lock().rng.clone()
     }
 
     /// Restores the initialisation generator's state.
-    pub fn set_rng_state(&self, rng: ChaCha8Rng) {
+    pub(crate) fn set_rng_state(&self, rng: ChaCha8Rng) {
         self.lock().rng = rng;
     }
 
@@ -233,7 +249,7 @@ impl ParamStore {
 
     /// Checks `values` against the store: names missing from `values`, names the store does
     /// not have, and shape mismatches. Returns (missing, unexpected, mismatched shapes).
-    pub fn diff_names<'a>(
+    pub(crate) fn diff_names<'a>(
         &self,
         values: impl IntoIterator<Item = (&'a String, &'a [usize])>,
     ) -> (Vec<String>, Vec<String>, Vec<String>) {
@@ -259,11 +275,6 @@ impl ParamStore {
         (missing, unexpected, shapes)
     }
 
-    /// Records that parameters were written directly (through their Vars).
-    pub(crate) fn bump_generation(&self) {
-        self.lock().generation += 1;
-    }
-
     /// Freezes (or unfreezes) every trainable parameter whose name matches; returns how many
     /// changed. Frozen parameters keep their values: optimizers skip them.
     pub fn set_frozen(&self, pred: impl Fn(&str) -> bool, frozen: bool) -> usize {
@@ -279,7 +290,6 @@ impl ParamStore {
     }
 
     /// Writes an f32 value into a parameter: into its master, and cast into its working Var.
-    /// Bumps the generation.
     pub fn write_f32(&self, name: &str, value: &Tensor) -> Result<()> {
         let p = self.param(name).ok_or_else(|| AmpError::Parameter {
             name: name.to_string(),
@@ -300,7 +310,6 @@ impl ParamStore {
             m.set(&v32)?;
         }
         p.working.set(&v32.to_dtype(p.working.dtype())?)?;
-        self.lock().generation += 1;
         Ok(())
     }
 
@@ -339,7 +348,7 @@ impl ParamStore {
     }
 
     /// Returns the named parameter, creating it from `init` if it does not exist yet.
-    pub fn get_or_create(&self, shape: &Shape, name: &str, init: Init, requested: DType) -> Result<Tensor> {
+    pub(crate) fn get_or_create(&self, shape: &Shape, name: &str, init: Init, requested: DType) -> Result<Tensor> {
         let mut g = self.lock();
         if let Some(&i) = g.index.get(name) {
             let p = &g.params[i];

@@ -26,7 +26,7 @@ fn fnv1a(s: &str) -> u64 {
 
 impl Generator {
     /// The generator called `name` in a run seeded with `seed`.
-    pub fn new(seed: u64, name: &str) -> Self {
+    pub(crate) fn new(seed: u64, name: &str) -> Self {
         Self {
             name: name.to_string(),
             rng: Arc::new(Mutex::new(ChaCha8Rng::seed_from_u64(seed ^ fnv1a(name)))),
@@ -43,7 +43,7 @@ impl Generator {
         self.rng.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A copy of the stream's state (for checkpoints).
+    /// A copy of the stream's state (for checkpoints, or to replay the same draws).
     pub fn snapshot(&self) -> ChaCha8Rng {
         self.lock().clone()
     }

@@ -5,8 +5,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use candle_core::{DType, Tensor};
 use candle_nn::ModuleT;
 
-use crate::autocast::AutocastPolicy;
-use crate::opt_level::Properties;
+use super::autocast::{AutocastGuard, AutocastPolicy};
+use super::opt_level::Properties;
 
 /// A model built by [`crate::initialize`] or [`crate::Amp::model`].
 ///
@@ -31,8 +31,8 @@ use crate::opt_level::Properties;
 ///     amp::OptLevel::O2,
 /// )?;
 /// let w = amp.store().param("fc.weight").unwrap();
-/// assert_eq!(w.working.dtype(), DType::F16);                            // the model computes in f16
-/// assert_eq!(w.master.as_ref().map(|m| m.dtype()), Some(DType::F32)); // f32 master weights
+/// assert_eq!(w.working().dtype(), DType::F16);                    // the model computes in f16
+/// assert_eq!(w.master().map(|m| m.dtype()), Some(DType::F32));    // f32 master weights
 /// let x = Tensor::ones((3, 4), DType::F32, &Device::Cpu)?;
 /// assert_eq!(model.input_dtype(), Some(DType::F16));                   // inputs are cast to f16
 /// assert_eq!(model.forward(&x)?.dtype(), DType::F32);                  // outputs come back in f32
@@ -62,7 +62,7 @@ impl<M> AmpModel<M> {
 
     /// Enters the run's autocast policy (O1) on this thread until the guard drops; `None`
     /// at levels that do not autocast.
-    pub fn autocast(&self) -> Option<crate::autocast::AutocastGuard> {
+    pub fn autocast(&self) -> Option<AutocastGuard> {
         self.autocast.as_ref().map(|p| p.enter())
     }
 

@@ -12,9 +12,9 @@ use std::collections::BTreeSet;
 
 use serde::{Deserialize, Serialize};
 
-use crate::loss_scale::LossScale;
+use super::loss_scale::LossScale;
 
-/// One loss scaler and its counters.
+/// One loss scaler and its counters (read them with [`crate::Amp::scaler_states`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ScalerState {
     /// The scale.
@@ -32,12 +32,7 @@ impl ScalerState {
     /// dynamic, the scale (clamped into this floor and ceiling), the growth tracker and the
     /// hysteresis left; always the counters.
     pub(crate) fn restore_from(&mut self, saved: &ScalerState) {
-        if let (LossScale::Dynamic(d), LossScale::Dynamic(s)) = (&mut self.scale, &saved.scale) {
-            // max/min rather than clamp: clamp panics on an inverted range.
-            d.scale = s.scale.max(d.min_scale).min(d.max_scale);
-            d.growth_tracker = s.growth_tracker;
-            d.hysteresis_left = s.hysteresis_left.clamp(1, d.hysteresis.max(1));
-        }
+        self.scale.restore_progress(&saved.scale);
         self.updates = saved.updates;
         self.total_skips = saved.total_skips;
         self.consecutive_skips = saved.consecutive_skips;
@@ -53,7 +48,7 @@ pub(crate) struct ScalerSlot {
 }
 
 impl ScalerSlot {
-    pub fn new(scale: LossScale) -> Self {
+    pub(crate) fn new(scale: LossScale) -> Self {
         Self {
             state: ScalerState {
                 scale,
@@ -68,14 +63,14 @@ impl ScalerSlot {
     }
 
     /// An optimizer ran a backward through this scaler.
-    pub fn enlist(&mut self, opt: usize) {
+    pub(crate) fn enlist(&mut self, opt: usize) {
         self.waiting.insert(opt);
     }
 
     /// An optimizer stepped or skipped; `inf` says whether its gradients from this scaler
     /// overflowed. Returns `Some(overflowed)` when this closed the round and the scale was
     /// adjusted.
-    pub fn report(&mut self, opt: usize, inf: bool, loss_id: usize) -> Option<bool> {
+    pub(crate) fn report(&mut self, opt: usize, inf: bool, loss_id: usize) -> Option<bool> {
         if !self.waiting.remove(&opt) {
             return None;
         }
@@ -85,7 +80,7 @@ impl ScalerSlot {
     }
 
     /// An optimizer dropped its gradients without stepping.
-    pub fn withdraw(&mut self, opt: usize, loss_id: usize) {
+    pub(crate) fn withdraw(&mut self, opt: usize, loss_id: usize) {
         if self.waiting.remove(&opt) {
             self.close_if_done(loss_id);
         }

@@ -10,9 +10,10 @@
 //! Raw tensor methods (`a.matmul(&b)`, `+`, `exp()`) cannot be intercepted: a model moves to
 //! O1 by writing its maths with these functions and its layers with [`crate::nn`].
 
+pub use candle_core::op::CmpOp;
 use candle_core::{D, DType, Device, Result, Tensor};
 
-use crate::autocast::{self, CastPolicy, eligible};
+use super::autocast::{self, CastPolicy, eligible};
 
 fn widest(xs: &[&Tensor]) -> Option<DType> {
     let floats: Vec<DType> = xs.iter().map(|t| t.dtype()).filter(|d| eligible(*d)).collect();
@@ -60,7 +61,7 @@ fn prepare(op: &str, xs: &[&Tensor]) -> Result<(Vec<Tensor>, bool)> {
 }
 
 /// Runs a user function under the policy registered for `name` (see
-/// [`crate::autocast::CastContext::register`]); unregistered names run unchanged.
+/// [`crate::Amp::register_op`]); unregistered names run unchanged.
 pub fn call(name: &str, xs: &[&Tensor], f: impl FnOnce(&[Tensor]) -> Result<Tensor>) -> Result<Tensor> {
     let (xs, _) = prepare(name, xs)?;
     f(&xs)
@@ -503,34 +504,25 @@ pub fn div(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     promote2("div", a, b, |a, b| a.broadcast_div(b))
 }
 
-/// `a == b` (u8 mask), mixed types promoted.
-pub fn eq(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    promote2("eq", a, b, |a, b| a.broadcast_eq(b))
-}
-
-/// `a != b` (u8 mask), mixed types promoted.
-pub fn ne(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    promote2("ne", a, b, |a, b| a.broadcast_ne(b))
-}
-
-/// `a < b` (u8 mask), mixed types promoted.
-pub fn lt(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    promote2("lt", a, b, |a, b| a.broadcast_lt(b))
-}
-
-/// `a <= b` (u8 mask), mixed types promoted.
-pub fn le(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    promote2("le", a, b, |a, b| a.broadcast_le(b))
-}
-
-/// `a > b` (u8 mask), mixed types promoted.
-pub fn gt(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    promote2("gt", a, b, |a, b| a.broadcast_gt(b))
-}
-
-/// `a >= b` (u8 mask), mixed types promoted.
-pub fn ge(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    promote2("ge", a, b, |a, b| a.broadcast_ge(b))
+/// Element-wise comparison `a op b` (broadcasting) as a u8 mask, mixed types promoted
+/// (Apex's `eq`, `ne`, `lt`, `le`, `gt`, `ge`; `op` is candle's [`CmpOp`]).
+pub fn cmp(a: &Tensor, b: &Tensor, op: CmpOp) -> Result<Tensor> {
+    let name = match op {
+        CmpOp::Eq => "eq",
+        CmpOp::Ne => "ne",
+        CmpOp::Lt => "lt",
+        CmpOp::Le => "le",
+        CmpOp::Gt => "gt",
+        CmpOp::Ge => "ge",
+    };
+    promote2(name, a, b, |a, b| match op {
+        CmpOp::Eq => a.broadcast_eq(b),
+        CmpOp::Ne => a.broadcast_ne(b),
+        CmpOp::Lt => a.broadcast_lt(b),
+        CmpOp::Le => a.broadcast_le(b),
+        CmpOp::Gt => a.broadcast_gt(b),
+        CmpOp::Ge => a.broadcast_ge(b),
+    })
 }
 
 /// `mask ? on_true : on_false`, the two values promoted.

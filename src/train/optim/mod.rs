@@ -13,8 +13,8 @@ mod sgd;
 mod state;
 
 pub use adamw::{AdamW, AdamWConfig};
+pub(crate) use amp_optimizer::Round;
 pub use amp_optimizer::{AmpOptimizer, AmpOptimizerState, ParamGroup, StepOutcome};
-pub(crate) use amp_optimizer::{Filter, Round};
 pub use candle_adapter::CandleOptimizer;
 pub use sgd::{Sgd, SgdConfig};
 pub(crate) use state::same_values;

@@ -26,7 +26,7 @@ pub struct TensorData {
 
 impl TensorData {
     /// Copies a tensor out (as f32).
-    pub fn from_tensor(t: &Tensor) -> Result<Self> {
+    pub(crate) fn from_tensor(t: &Tensor) -> Result<Self> {
         Ok(Self {
             shape: t.dims().to_vec(),
             data: t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?,
@@ -34,7 +34,7 @@ impl TensorData {
     }
 
     /// Builds the tensor on `device`.
-    pub fn to_tensor(&self, device: &Device) -> Result<Tensor> {
+    pub(crate) fn to_tensor(&self, device: &Device) -> Result<Tensor> {
         let n: usize = self.shape.iter().product();
         if n != self.data.len() {
             return Err(AmpError::OptimizerState(format!(
@@ -60,7 +60,7 @@ pub(crate) fn same_values(a: &Tensor, b: &Tensor) -> bool {
 mod buffers {
     use super::*;
 
-    pub fn serialize<S: Serializer>(m: &BTreeMap<String, Tensor>, s: S) -> std::result::Result<S::Ok, S::Error> {
+    pub(crate) fn serialize<S: Serializer>(m: &BTreeMap<String, Tensor>, s: S) -> std::result::Result<S::Ok, S::Error> {
         let data: BTreeMap<&String, TensorData> = m
             .iter()
             .map(|(k, t)| Ok((k, TensorData::from_tensor(t)?)))
@@ -69,7 +69,9 @@ mod buffers {
         data.serialize(s)
     }
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<BTreeMap<String, Tensor>, D::Error> {
+    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> std::result::Result<BTreeMap<String, Tensor>, D::Error> {
         let data = BTreeMap::<String, TensorData>::deserialize(d)?;
         data.into_iter()
             .map(|(k, t)| Ok((k, t.to_tensor(&Device::Cpu)?)))
@@ -120,23 +122,5 @@ impl OptimizerState {
             )));
         }
         Ok(())
-    }
-
-    /// The same state with every buffer copied, so that later in-place updates of the
-    /// algorithm's own buffers cannot change it.
-    pub fn deep_copy(&self) -> Result<Self> {
-        let mut params = BTreeMap::new();
-        for (name, ps) in &self.params {
-            let buffers = ps
-                .buffers
-                .iter()
-                .map(|(k, t)| Ok((k.clone(), t.copy()?.detach())))
-                .collect::<Result<_>>()?;
-            params.insert(name.clone(), ParamState { step: ps.step, buffers });
-        }
-        Ok(Self {
-            kind: self.kind.clone(),
-            params,
-        })
     }
 }

@@ -18,7 +18,9 @@ use std::str::FromStr;
 use candle_core::DType;
 use serde::{Deserialize, Serialize};
 
+use super::store::{LoadMode, StorePolicy};
 use crate::error::{AmpError, Result};
+use crate::scaling::{DynamicParams, LossScale, LossScaleSpec};
 
 /// One of Apex's four optimisation levels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -37,15 +39,22 @@ impl OptLevel {
     /// All levels, in order.
     pub const ALL: [OptLevel; 4] = [OptLevel::O0, OptLevel::O1, OptLevel::O2, OptLevel::O3];
 
-    /// This level's row of [`LEVEL_TABLE`].
-    pub fn defaults(self) -> &'static LevelDefaults {
+    /// This level's row of the table.
+    pub(crate) fn defaults(self) -> &'static LevelDefaults {
         &LEVEL_TABLE[self as usize]
+    }
+}
+
+impl OptLevel {
+    /// `"O0"`, `"O1"`, `"O2"` or `"O3"` (also its `Display`).
+    pub(crate) fn name(self) -> &'static str {
+        ["O0", "O1", "O2", "O3"][self as usize]
     }
 }
 
 impl fmt::Display for OptLevel {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:?}", self)
+        f.write_str(self.name())
     }
 }
 
@@ -86,8 +95,9 @@ impl HalfType {
         }
     }
 
-    /// The lower-case name used on the command line and in JSON ("f16", "bf16").
-    pub fn name(self) -> &'static str {
+    /// The lower-case name used on the command line and in JSON ("f16", "bf16"; also its
+    /// `Display`).
+    pub(crate) fn name(self) -> &'static str {
         match self {
             HalfType::F16 => "f16",
             HalfType::Bf16 => "bf16",
@@ -118,7 +128,7 @@ impl FromStr for HalfType {
 
 /// The model type of a level's table row: f32, the configured half type, or no cast.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum CastType {
+pub(crate) enum CastType {
     /// Do not cast the model (O1).
     NoCast,
     /// Cast to f32.
@@ -137,46 +147,9 @@ impl CastType {
     }
 }
 
-/// How the loss is scaled.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub enum LossScaleSpec {
-    /// A fixed scale (1.0 disables scaling). Non-finite gradients still skip the step.
-    Static(#[serde(with = "crate::serde_f32")] f32),
-    /// Dynamic scaling: see [`crate::loss_scale::LossScale`].
-    Dynamic,
-}
-
-impl fmt::Display for LossScaleSpec {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            LossScaleSpec::Static(s) => write!(f, "{s}"),
-            LossScaleSpec::Dynamic => f.write_str("dynamic"),
-        }
-    }
-}
-
-impl FromStr for LossScaleSpec {
-    type Err = AmpError;
-    /// Parses `"dynamic"` or a positive number such as `"128.0"`, as Apex's `loss_scale` does.
-    fn from_str(s: &str) -> Result<Self> {
-        let t = s.trim();
-        if t.eq_ignore_ascii_case("dynamic") {
-            return Ok(LossScaleSpec::Dynamic);
-        }
-        match t.parse::<f32>() {
-            Ok(v) if v.is_finite() && v > 0.0 => Ok(LossScaleSpec::Static(v)),
-            _ => Err(AmpError::Parse {
-                what: "loss scale",
-                input: s.to_string(),
-                expected: "\"dynamic\" or a finite number > 0",
-            }),
-        }
-    }
-}
-
 /// One row of the opt-level table.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct LevelDefaults {
+pub(crate) struct LevelDefaults {
     /// The level this row describes.
     pub level: OptLevel,
     /// The type the model's parameters are built in.
@@ -192,8 +165,9 @@ pub struct LevelDefaults {
     pub loss_scale: LossScaleSpec,
 }
 
-/// Apex's property table, one row per level, indexed by `OptLevel as usize`.
-pub const LEVEL_TABLE: [LevelDefaults; 4] = [
+/// Apex's property table, one row per level, indexed by `OptLevel as usize`. The only place
+/// the levels differ: everything else reads the resolved [`Properties`].
+pub(crate) const LEVEL_TABLE: [LevelDefaults; 4] = [
     LevelDefaults {
         level: OptLevel::O0,
         cast_model_type: CastType::F32,
@@ -227,69 +201,6 @@ pub const LEVEL_TABLE: [LevelDefaults; 4] = [
         loss_scale: LossScaleSpec::Static(1.0),
     },
 ];
-
-/// Dynamic loss-scaling parameters (the defaults are Apex's and PyTorch's).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct DynamicParams {
-    /// The first scale (2^16).
-    #[serde(with = "crate::serde_f32")]
-    pub init_scale: f32,
-    /// Multiplier applied after `growth_interval` clean steps (2.0).
-    #[serde(with = "crate::serde_f32")]
-    pub growth_factor: f32,
-    /// Multiplier applied on overflow (0.5).
-    #[serde(with = "crate::serde_f32")]
-    pub backoff_factor: f32,
-    /// Clean steps in a row before the scale grows (2000).
-    pub growth_interval: u32,
-    /// DeepSpeed's hysteresis: overflows tolerated (minus one) before backing off (1 = none).
-    pub hysteresis: u32,
-    /// Restore the hysteresis budget on every clean step rather than only at growth.
-    pub consecutive_hysteresis: bool,
-}
-
-impl DynamicParams {
-    /// Rejects out-of-range values with an [`AmpError::InvalidOverride`] naming the
-    /// property; `level` says where they came from (an opt level, `"GradScaler"`).
-    pub fn check(&self, level: &str) -> Result<()> {
-        let invalid = |property: &'static str, reason: &str| {
-            Err(AmpError::InvalidOverride {
-                property,
-                level: level.to_string(),
-                reason: reason.to_string(),
-            })
-        };
-        if !(self.init_scale.is_finite() && self.init_scale > 0.0) {
-            return invalid("init_scale", "the initial scale must be finite and > 0");
-        }
-        if self.growth_factor.is_nan() || self.growth_factor <= 1.0 {
-            return invalid("growth_factor", "the growth factor must be > 1");
-        }
-        if !(self.backoff_factor > 0.0 && self.backoff_factor < 1.0) {
-            return invalid("backoff_factor", "the backoff factor must be in (0, 1)");
-        }
-        if self.growth_interval == 0 {
-            return invalid("growth_interval", "the growth interval must be at least 1");
-        }
-        if self.hysteresis == 0 {
-            return invalid("hysteresis", "hysteresis must be at least 1 (1 = none)");
-        }
-        Ok(())
-    }
-}
-
-impl Default for DynamicParams {
-    fn default() -> Self {
-        Self {
-            init_scale: 65536.0,
-            growth_factor: 2.0,
-            backoff_factor: 0.5,
-            growth_interval: 2000,
-            hysteresis: 1,
-            consecutive_hysteresis: false,
-        }
-    }
-}
 
 /// An opt level plus overrides: what the user asks for. Build it with the setters, then
 /// [`resolve`](AmpConfig::resolve) it (done by [`crate::initialize`]).
@@ -340,7 +251,7 @@ pub struct AmpConfig {
     pub max_consecutive_skips: u32,
     /// Pretrained safetensors (f32, f16 or bf16) that [`crate::initialize`] loads after
     /// building the model.
-    pub pretrained: Option<(std::path::PathBuf, crate::amp::LoadMode)>,
+    pub pretrained: Option<(std::path::PathBuf, LoadMode)>,
 }
 
 impl From<OptLevel> for AmpConfig {
@@ -391,7 +302,7 @@ impl AmpConfig {
     }
 
     /// Starts from pretrained weights (see [`crate::Amp::load_weights`]).
-    pub fn pretrained(mut self, path: impl Into<std::path::PathBuf>, mode: crate::amp::LoadMode) -> Self {
+    pub fn pretrained(mut self, path: impl Into<std::path::PathBuf>, mode: LoadMode) -> Self {
         self.pretrained = Some((path.into(), mode));
         self
     }
@@ -430,7 +341,7 @@ impl AmpConfig {
     fn invalid(&self, property: &'static str, reason: impl Into<String>) -> AmpError {
         AmpError::InvalidOverride {
             property,
-            level: self.opt_level.to_string(),
+            level: self.opt_level.name(),
             reason: reason.into(),
         }
     }
@@ -515,7 +426,9 @@ impl AmpConfig {
                 ),
             ));
         }
-        self.dynamic.check(&self.opt_level.to_string())?;
+        if let Some((property, reason)) = self.dynamic.problem() {
+            return Err(self.invalid(property, reason));
+        }
         if self.max_consecutive_skips == 0 {
             return Err(self.invalid("max_consecutive_skips", "must be at least 1"));
         }
@@ -563,7 +476,7 @@ impl AmpConfig {
             }
         };
         if props.verbosity >= 1 {
-            log::info!("{}", props.table());
+            log::info!("{props}");
         }
         Ok(props)
     }
@@ -617,13 +530,23 @@ impl Properties {
         self.cast_model_outputs.or(self.cast_model_type.map(|_| DType::F32))
     }
 
-    /// Whether batch-norm parameters stay f32 (a half model with `keep_batchnorm_fp32`).
-    pub fn batchnorm_f32(&self) -> bool {
-        self.keep_batchnorm_fp32.unwrap_or(false)
+    /// What the parameter store builds at these properties.
+    pub(crate) fn store_policy(&self) -> StorePolicy {
+        StorePolicy {
+            model_dtype: self.cast_model_type,
+            master_weights: self.master_weights,
+            keep_f32_requests: self.keep_batchnorm_fp32.unwrap_or(false),
+        }
     }
 
-    /// The resolved properties as a small text table, as Apex prints at verbosity 1.
-    pub fn table(&self) -> String {
+    /// The loss scale each of the run's scalers starts from.
+    pub(crate) fn initial_loss_scale(&self) -> LossScale {
+        LossScale::from_spec(self.loss_scale, &self.dynamic, self.min_loss_scale, self.max_loss_scale)
+    }
+
+    /// The resolved properties as a small text table, as Apex prints at verbosity 1 (also
+    /// the `Display` of [`Properties`]).
+    fn table(&self) -> String {
         let dt = |d: Option<DType>| {
             d.map(|d| format!("{d:?}").to_lowercase())
                 .unwrap_or_else(|| "none".into())
@@ -651,19 +574,25 @@ impl Properties {
     }
 }
 
+impl fmt::Display for Properties {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.table())
+    }
+}
+
 /// serde for `Option<DType>` as a lower-case name.
 mod opt_dtype {
     use candle_core::DType;
     use serde::{Deserialize, Deserializer, Serializer};
 
-    pub fn serialize<S: Serializer>(d: &Option<DType>, s: S) -> Result<S::Ok, S::Error> {
+    pub(crate) fn serialize<S: Serializer>(d: &Option<DType>, s: S) -> Result<S::Ok, S::Error> {
         match d {
             Some(d) => s.serialize_some(d.as_str()),
             None => s.serialize_none(),
         }
     }
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<DType>, D::Error> {
+    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<DType>, D::Error> {
         let o: Option<String> = Option::deserialize(d)?;
         match o {
             None => Ok(None),

@@ -9,9 +9,9 @@ use candle_core::{DType, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
 use super::{GroupHyper, Optimizer, OptimizerState, ParamUpdate};
-use crate::amp::Shared;
-use crate::error::{AmpError, Result};
-use crate::store::{Param, ParamKind};
+use crate::error::{AmpError, CallOrderKind, Result};
+use crate::precision::store::{Param, ParamKind};
+use crate::train::run::{Filter, RunState};
 
 /// What [`AmpOptimizer::step`] did, so that schedulers can react to skipped steps.
 #[derive(Debug, Clone, PartialEq)]
@@ -57,8 +57,6 @@ pub struct ParamGroup {
     pub params: Vec<String>,
 }
 
-pub(crate) type Filter = Arc<dyn Fn(&str) -> bool + Send + Sync>;
-
 /// Optimizer ids are unique in the process, so one `GradScaler` can serve optimizers of
 /// several AMP handles.
 static NEXT_ID: AtomicUsize = AtomicUsize::new(0);
@@ -73,14 +71,13 @@ pub(crate) enum Round {
     External,
 }
 
-fn check_hyper(property: &'static str, v: f64) -> Result<()> {
+fn check_hyper(group: usize, property: &str, v: f64) -> Result<()> {
     if v.is_finite() && v >= 0.0 {
         return Ok(());
     }
-    Err(AmpError::InvalidOverride {
-        property,
-        level: "optimizer group".into(),
-        reason: format!("must be finite and >= 0, got {v}"),
+    Err(AmpError::Group {
+        group,
+        reason: format!("{property} must be finite and >= 0, got {v}"),
     })
 }
 
@@ -128,7 +125,7 @@ pub struct AmpOptimizerState {
 /// `zero_grad` in between (it would mix old and new gradients).
 pub struct AmpOptimizer {
     id: usize,
-    shared: Arc<Shared>,
+    run: Arc<RunState>,
     algo: Box<dyn Optimizer>,
     /// Which trainable parameters this optimizer owns; groups choose among these only.
     claim: Filter,
@@ -150,7 +147,7 @@ impl Drop for AmpOptimizer {
     /// and its parameters may be claimed by another optimizer afterwards.
     fn drop(&mut self) {
         self.withdraw_all();
-        self.shared.claims_mut().remove(&self.id);
+        self.run.claims_mut().remove(&self.id);
     }
 }
 
@@ -172,12 +169,12 @@ impl AmpOptimizer {
     /// may not claim the same trainable parameter (each would update it): that is an
     /// [`AmpError::Ownership`] naming the parameter, as PyTorch refuses a parameter in two
     /// groups.
-    pub(crate) fn new(shared: Arc<Shared>, algo: Box<dyn Optimizer>, claim: Filter) -> Result<Self> {
+    pub(crate) fn new(run: Arc<RunState>, algo: Box<dyn Optimizer>, claim: Filter) -> Result<Self> {
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         let hyper = algo.defaults();
         let mut opt = Self {
             id,
-            shared,
+            run,
             algo,
             claim: claim.clone(),
             checked: 0,
@@ -196,25 +193,25 @@ impl AmpOptimizer {
             consecutive_skips: 0,
         };
         opt.check_claims()?;
-        opt.shared.claims_mut().insert(opt.id, opt.claim.clone());
+        opt.run.claims_mut().insert(opt.id, opt.claim.clone());
         Ok(opt)
     }
 
     /// Checks the store's parameters not checked yet (new ones are built lazily) against the
     /// other live optimizers' claims.
     fn check_claims(&mut self) -> Result<()> {
-        let params = self.shared.store.params();
+        let params = self.run.store.params();
         if params.len() == self.checked {
             return Ok(());
         }
-        let claims = self.shared.claims_mut();
+        let claims = self.run.claims_mut();
         for p in &params[self.checked..] {
-            if p.kind != ParamKind::Trainable || !(self.claim)(&p.name) {
+            if p.kind() != ParamKind::Trainable || !(self.claim)(p.name()) {
                 continue;
             }
-            if let Some((other, _)) = claims.iter().find(|(id, f)| **id != self.id && f(&p.name)) {
+            if let Some((other, _)) = claims.iter().find(|(id, f)| **id != self.id && f(p.name())) {
                 return Err(AmpError::Ownership {
-                    param: p.name.clone(),
+                    param: p.name().to_string(),
                     detail: format!(
                         "optimizer {other} of this run already trains it; give each optimizer a filter that \
                          selects disjoint parameters (amp.optimizer_for(algo, |name| ...)), or drop the other one"
@@ -228,13 +225,8 @@ impl AmpOptimizer {
     }
 
     /// The optimizer's id, unique in the process.
-    pub fn id(&self) -> usize {
+    pub(crate) fn id(&self) -> usize {
         self.id
-    }
-
-    /// The algorithm's name.
-    pub fn algorithm(&self) -> &'static str {
-        self.algo.name()
     }
 
     /// The group of a parameter this optimizer owns: the last group whose filter selects it
@@ -249,12 +241,12 @@ impl AmpOptimizer {
 
     /// The trainable parameters this optimizer owns (frozen ones included), with their group.
     pub(crate) fn owned(&self) -> Vec<(usize, Param)> {
-        self.shared
+        self.run
             .store
             .params()
             .into_iter()
-            .filter(|p| p.kind == ParamKind::Trainable)
-            .filter_map(|p| self.group_of(&p.name).map(|g| (g, p)))
+            .filter(|p| p.kind() == ParamKind::Trainable)
+            .filter_map(|p| self.group_of(p.name()).map(|g| (g, p)))
             .collect()
     }
 
@@ -271,7 +263,7 @@ impl AmpOptimizer {
             })
             .collect();
         for (g, p) in self.owned() {
-            out[g].params.push(p.name);
+            out[g].params.push(p.name().to_string());
         }
         out
     }
@@ -281,7 +273,7 @@ impl AmpOptimizer {
         self.owned()
             .into_iter()
             .filter(|(_, p)| p.trains())
-            .map(|(_, p)| p.name)
+            .map(|(_, p)| p.name().to_string())
             .collect()
     }
 
@@ -316,12 +308,19 @@ impl AmpOptimizer {
         self.groups.len() - 1
     }
 
+    fn no_group(&self, group: usize) -> AmpError {
+        AmpError::Group {
+            group,
+            reason: format!(
+                "this optimizer has {} group(s), numbered from 0 (add_param_group returns the number)",
+                self.groups.len()
+            ),
+        }
+    }
+
     fn group_mut(&mut self, group: usize) -> Result<&mut GroupSpec> {
-        let n = self.groups.len();
-        self.groups.get_mut(group).ok_or_else(|| AmpError::Parameter {
-            name: format!("group {group}"),
-            reason: format!("this optimizer has {n} group(s)"),
-        })
+        let e = self.no_group(group);
+        self.groups.get_mut(group).ok_or(e)
     }
 
     /// The learning rate of a group.
@@ -329,22 +328,21 @@ impl AmpOptimizer {
         self.groups
             .get(group)
             .map(|g| g.hyper.lr)
-            .ok_or_else(|| AmpError::Parameter {
-                name: format!("group {group}"),
-                reason: format!("this optimizer has {} group(s)", self.groups.len()),
-            })
+            .ok_or_else(|| self.no_group(group))
     }
 
     /// Sets the learning rate of a group.
     pub fn set_lr(&mut self, group: usize, lr: f64) -> Result<()> {
-        check_hyper("lr", lr)?;
+        check_hyper(group, "lr", lr)?;
         self.group_mut(group)?.hyper.lr = lr;
         Ok(())
     }
 
     /// Sets the learning rate of every group.
     pub fn set_lr_all(&mut self, lr: f64) -> Result<()> {
-        check_hyper("lr", lr)?;
+        for g in 0..self.groups.len() {
+            check_hyper(g, "lr", lr)?;
+        }
         for g in &mut self.groups {
             g.hyper.lr = lr;
         }
@@ -353,7 +351,7 @@ impl AmpOptimizer {
 
     /// Sets the weight decay of a group.
     pub fn set_weight_decay(&mut self, group: usize, wd: f64) -> Result<()> {
-        check_hyper("weight_decay", wd)?;
+        check_hyper(group, "weight_decay", wd)?;
         self.group_mut(group)?.hyper.weight_decay = wd;
         Ok(())
     }
@@ -363,16 +361,11 @@ impl AmpOptimizer {
         &self.grads
     }
 
-    /// One parameter's unscaled f32 gradient.
-    pub fn master_grad(&self, name: &str) -> Option<&Tensor> {
-        self.grads.get(name)
-    }
-
     /// The f32 values of this optimizer's parameters (the masters at O2), by name.
     pub fn master_params(&self) -> Result<BTreeMap<String, Tensor>> {
         self.owned()
             .into_iter()
-            .map(|(_, p)| Ok((p.name.clone(), p.f32_value()?)))
+            .map(|(_, p)| Ok((p.name().to_string(), p.f32_value()?)))
             .collect()
     }
 
@@ -392,7 +385,7 @@ impl AmpOptimizer {
     }
 
     /// Parameters whose accumulated gradients are non-finite.
-    pub fn nonfinite_names(&self) -> Vec<String> {
+    pub(crate) fn nonfinite_names(&self) -> Vec<String> {
         self.nonfinite.iter().cloned().collect()
     }
 
@@ -401,20 +394,20 @@ impl AmpOptimizer {
         self.micro_batches
     }
 
-    /// Whether this optimizer was made by the run `shared` belongs to.
-    pub(crate) fn belongs_to(&self, shared: &Arc<Shared>) -> bool {
-        Arc::ptr_eq(&self.shared, shared)
+    /// Whether this optimizer belongs to `run`.
+    pub(crate) fn belongs_to(&self, run: &Arc<RunState>) -> bool {
+        Arc::ptr_eq(&self.run, run)
     }
 
     /// The run this optimizer belongs to.
-    pub(crate) fn shared(&self) -> &Arc<Shared> {
-        &self.shared
+    pub(crate) fn run(&self) -> &Arc<RunState> {
+        &self.run
     }
 
     /// Withdraws from every scaler round this optimizer is enlisted in.
     fn withdraw_all(&mut self) {
         if !self.found_inf.is_empty() && self.stage == Stage::HasGrads {
-            let mut scalers = self.shared.scalers_mut();
+            let mut scalers = self.run.scalers_mut();
             for round in self.found_inf.keys() {
                 if let Round::Loss(loss_id) = *round
                     && let Some(s) = scalers.get_mut(loss_id)
@@ -425,12 +418,14 @@ impl AmpOptimizer {
         }
     }
 
-    pub(crate) fn check_can_backward(&self) -> Result<()> {
+    /// Refuses gradients after a step without `zero_grad`; `call` names the caller.
+    pub(crate) fn check_can_backward(&self, call: &'static str) -> Result<()> {
         if self.stage == Stage::Stepped {
-            return Err(AmpError::CallOrder(
-                "backward after step without zero_grad: the new gradients would be added to the ones \
-                 already applied; call zero_grad() after step()"
-                    .into(),
+            return Err(AmpError::call_order(
+                call,
+                CallOrderKind::NotZeroed,
+                "this optimizer has stepped and its gradients were not zeroed: the new gradients would be \
+                 added to the ones already applied; call zero_grad() after step()",
             ));
         }
         Ok(())
@@ -445,9 +440,9 @@ impl AmpOptimizer {
         found_inf: bool,
         nonfinite: Vec<String>,
     ) -> Result<()> {
-        self.check_can_backward()?;
+        self.check_can_backward("backward")?;
         if let Round::Loss(loss_id) = round {
-            let n = self.shared.props.num_losses;
+            let n = self.run.props.num_losses;
             if loss_id >= n {
                 return Err(AmpError::LossId {
                     id: loss_id,
@@ -467,7 +462,7 @@ impl AmpOptimizer {
         self.micro_batches += 1;
         self.stage = Stage::HasGrads;
         if let Round::Loss(loss_id) = round {
-            self.shared.scalers_mut()[loss_id].enlist(self.id);
+            self.run.scalers_mut()[loss_id].enlist(self.id);
         }
         Ok(())
     }
@@ -480,7 +475,7 @@ impl AmpOptimizer {
             .owned()
             .into_iter()
             .filter(|(_, p)| p.trains())
-            .map(|(_, p)| (p.name, p.working))
+            .map(|(_, p)| (p.name().to_string(), p.working_var().clone()))
             .collect())
     }
 
@@ -519,15 +514,21 @@ impl AmpOptimizer {
     /// will be skipped). Call between the backward and `step`.
     pub fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f32> {
         if !(max_norm.is_finite() && max_norm >= 0.0) {
-            return Err(AmpError::InvalidOverride {
-                property: "max_norm",
-                level: "clip_grad_norm".into(),
-                reason: format!("must be finite and >= 0, got {max_norm}"),
+            return Err(AmpError::InvalidArgument {
+                argument: "max_norm",
+                reason: format!("clip_grad_norm needs a finite max_norm >= 0, got {max_norm}"),
             });
         }
         if self.stage != Stage::HasGrads {
-            return Err(AmpError::CallOrder(
-                "clip_grad_norm needs gradients: call it after backward and before step".into(),
+            let kind = if self.stage == Stage::Stepped {
+                CallOrderKind::AlreadyStepped
+            } else {
+                CallOrderKind::NoGradients
+            };
+            return Err(AmpError::call_order(
+                "clip_grad_norm",
+                kind,
+                "there are no gradients to clip: call it after backward and before step",
             ));
         }
         let mut total = 0f64;
@@ -557,13 +558,17 @@ impl AmpOptimizer {
         match self.stage {
             Stage::HasGrads => {}
             Stage::Clean => {
-                return Err(AmpError::CallOrder(
-                    "step without gradients: run a backward inside scale_loss before step".into(),
+                return Err(AmpError::call_order(
+                    "step",
+                    CallOrderKind::NoGradients,
+                    "no gradients since the last zero_grad: run a backward inside scale_loss before step",
                 ));
             }
             Stage::Stepped => {
-                return Err(AmpError::CallOrder(
-                    "step called twice: call zero_grad() and run a new backward before stepping again".into(),
+                return Err(AmpError::call_order(
+                    "step",
+                    CallOrderKind::AlreadyStepped,
+                    "this optimizer has already stepped: call zero_grad() and run a new backward before stepping again",
                 ));
             }
         }
@@ -585,7 +590,7 @@ impl AmpOptimizer {
             .and_then(|(r, _)| loss_id(r))
             .unwrap_or(0);
         let scale = {
-            let mut scalers = self.shared.scalers_mut();
+            let mut scalers = self.run.scalers_mut();
             for (round, &inf) in &self.found_inf {
                 // Gradients scaled by a GradScaler have no scaler of this run to report to.
                 if let Some(id) = loss_id(round)
@@ -604,7 +609,7 @@ impl AmpOptimizer {
         self.skipped = self.skipped.saturating_add(1);
         self.consecutive_skips = self.consecutive_skips.saturating_add(1);
         let nonfinite: Vec<String> = self.nonfinite.iter().cloned().collect();
-        if self.consecutive_skips >= self.shared.props.max_consecutive_skips {
+        if self.consecutive_skips >= self.run.props.max_consecutive_skips {
             return Err(AmpError::PersistentOverflow {
                 loss_id: first_id,
                 skips: self.consecutive_skips,
@@ -640,14 +645,14 @@ impl AmpOptimizer {
             if !p.trains() {
                 continue;
             }
-            let Some(grad) = self.grads.get(&p.name) else { continue };
+            let Some(grad) = self.grads.get(p.name()) else { continue };
             let (var, persistent) = match p.f32_var() {
                 Some(v) => (v.clone(), true),
                 None => (Var::from_tensor(&p.f32_value()?)?, false),
             };
-            let working = (p.working.id() != var.id()).then(|| p.working.clone());
+            let working = (p.working().id() != var.id()).then(|| p.working_var().clone());
             items.push(Item {
-                name: p.name.clone(),
+                name: p.name().to_string(),
                 var,
                 working,
                 grad: grad.clone(),
@@ -670,10 +675,7 @@ impl AmpOptimizer {
         // rolled back; its own step says how far it is atomic.
         let snapshot = self.algo.state_dict().ok();
         match self.algo.step(&updates) {
-            Ok(()) => {
-                self.shared.store.bump_generation();
-                Ok(())
-            }
+            Ok(()) => Ok(()),
             Err(e) => {
                 if let Some(snapshot) = snapshot
                     && let Err(r) = self.algo.load_state_dict(&snapshot)
@@ -715,26 +717,26 @@ impl AmpOptimizer {
 
     /// Checks that `state` fits this optimizer (same algorithm, same group names in the same
     /// order) without changing anything.
-    pub fn check_state(&self, state: &AmpOptimizerState) -> Result<()> {
+    pub(crate) fn check_state(&self, state: &AmpOptimizerState) -> Result<()> {
         self.algo.check_state(&state.algorithm)?;
         // Saved buffers must have their parameter's shape.
         for (name, ps) in &state.algorithm.params {
-            if let Some(p) = self.shared.store.param(name) {
+            if let Some(p) = self.run.store.param(name) {
                 for (k, b) in &ps.buffers {
-                    if b.dims() != p.working.dims() || !b.dtype().is_float() {
+                    if b.dims() != p.working().dims() || !b.dtype().is_float() {
                         return Err(AmpError::OptimizerState(format!(
                             "buffer `{k}` of `{name}` has shape {:?} and type {:?} but the parameter has shape {:?}",
                             b.dims(),
                             b.dtype(),
-                            p.working.dims()
+                            p.working().dims()
                         )));
                     }
                 }
             }
         }
-        for (_, h) in &state.groups {
-            check_hyper("lr", h.lr)?;
-            check_hyper("weight_decay", h.weight_decay)?;
+        for (g, (_, h)) in state.groups.iter().enumerate() {
+            check_hyper(g, "lr", h.lr)?;
+            check_hyper(g, "weight_decay", h.weight_decay)?;
         }
         let names: Vec<&String> = self.groups.iter().map(|g| &g.name).collect();
         let saved: Vec<&String> = state.groups.iter().map(|(n, _)| n).collect();

@@ -21,11 +21,10 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
-use crate::error::{AmpError, Result};
-use crate::guard::{BackwardReport, run_stages};
-use crate::loss_scale::LossScale;
-use crate::opt_level::DynamicParams;
-use crate::optim::{AmpOptimizer, Round, StepOutcome};
+use super::guard::{BackwardReport, run_stages};
+use super::optim::{AmpOptimizer, Round, StepOutcome};
+use crate::error::{AmpError, CallOrderKind, Result};
+use crate::scaling::{DynamicParams, LossScale};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Stage {
@@ -55,7 +54,7 @@ pub struct GradScalerState {
 /// backoff 0.5, interval 2000, no floor and no ceiling (so its trajectory is PyTorch's).
 ///
 /// Its `accumulate`, `unscale` and `step` run the same stages 2 to 4 as the guard
-/// ([`crate::guard`]): the run's [`GradReducer`](crate::GradReducer) if one is installed,
+/// ([`crate::ScaleLoss`]): the run's [`GradReducer`](crate::GradReducer) if one is installed,
 /// check and unscale (the raw gradient checked first), accumulate into the optimizer's f32
 /// master gradients. It does not go through [`crate::Amp::scale_loss`], so
 /// [`crate::Amp::autocast_ops`] is not updated and the run's cast cache is not cleared per
@@ -120,11 +119,10 @@ impl GradScaler {
             growth_interval,
             ..Default::default()
         };
-        params.check("GradScaler")?;
         Ok(Self {
             enabled,
             // No floor and no ceiling: PyTorch's arithmetic.
-            scale: LossScale::dynamic(&params, 0.0, f32::INFINITY),
+            scale: LossScale::dynamic(&params, 0.0, f32::INFINITY)?,
             stages: HashMap::new(),
         })
     }
@@ -149,7 +147,7 @@ impl GradScaler {
 
     /// Stages 2 to 4 on one backward's gradients, as the guard runs them.
     fn add(&self, opt: &mut AmpOptimizer, grads: &GradStore) -> Result<BackwardReport> {
-        let shared = opt.shared().clone();
+        let run = opt.run().clone();
         let scale = self.get_scale();
         // The stages own (and a reducer rewrites) the gradients: take this optimizer's.
         let mut own = GradStore::default();
@@ -158,18 +156,24 @@ impl GradScaler {
                 own.insert(&v, g.clone());
             }
         }
-        run_stages(&shared, own, &mut [opt], Round::External, scale, false, self.enabled)
+        run_stages(&run, own, &mut [opt], Round::External, scale, false, self.enabled)
     }
 
-    fn check_ready(&self, opt: &AmpOptimizer, call: &str) -> Result<()> {
+    /// Refuses `call` on an optimizer already unscaled or stepped since the last `update`.
+    fn check_ready(&self, opt: &AmpOptimizer, call: &'static str) -> Result<()> {
         match self.stages.get(&opt.id()) {
-            Some((Stage::Unscaled, _)) => Err(AmpError::CallOrder(format!(
-                "{call}() after unscale() on this optimizer since the last update(): its gradients were \
-                 already unscaled; call step() and update() first"
-            ))),
-            Some((Stage::Stepped, _)) => Err(AmpError::CallOrder(format!(
-                "{call}() is being called after step(); call update() and zero_grad() first"
-            ))),
+            Some((Stage::Unscaled, _)) => Err(AmpError::call_order(
+                call,
+                CallOrderKind::AlreadyUnscaled,
+                "unscale() has already been called on this optimizer since the last update(); call step() \
+                 and update() first",
+            )),
+            Some((Stage::Stepped, _)) => Err(AmpError::call_order(
+                call,
+                CallOrderKind::AlreadyStepped,
+                "step() has already been called on this optimizer since the last update(); call update() \
+                 and zero_grad() first",
+            )),
             None => Ok(()),
         }
     }
@@ -209,16 +213,8 @@ impl GradScaler {
     /// gradient accumulated since the last step is inf or NaN. At most once per optimizer
     /// between updates, and not after its `step`.
     pub fn unscale(&mut self, opt: &mut AmpOptimizer, grads: &GradStore) -> Result<()> {
-        match self.stages.get(&opt.id()) {
-            Some((Stage::Unscaled, _)) if self.enabled => {
-                return Err(AmpError::CallOrder(
-                    "unscale() has already been called on this optimizer since the last update()".into(),
-                ));
-            }
-            Some((Stage::Stepped, _)) if self.enabled => {
-                return Err(AmpError::CallOrder("unscale() is being called after step()".into()));
-            }
-            _ => {}
+        if self.enabled {
+            self.check_ready(opt, "unscale")?;
         }
         self.add(opt, grads)?;
         let found_inf = self.enabled && opt.external_found_inf();
@@ -232,8 +228,10 @@ impl GradScaler {
     /// error nothing was applied, and the step can be retried.
     pub fn step(&mut self, opt: &mut AmpOptimizer, grads: &GradStore) -> Result<StepOutcome> {
         if let Some((Stage::Stepped, _)) = self.stages.get(&opt.id()) {
-            return Err(AmpError::CallOrder(
-                "step() has already been called since the last update()".into(),
+            return Err(AmpError::call_order(
+                "step",
+                CallOrderKind::AlreadyStepped,
+                "step() has already been called on this optimizer since the last update()",
             ));
         }
         if !matches!(self.stages.get(&opt.id()), Some((Stage::Unscaled, _))) {
@@ -263,20 +261,20 @@ impl GradScaler {
         match new_scale {
             Some(s) => {
                 if s.is_nan() || s < 0.0 {
-                    return Err(AmpError::InvalidOverride {
-                        property: "new_scale",
-                        level: "GradScaler".into(),
-                        reason: format!("must be a number >= 0, got {s}"),
+                    return Err(AmpError::InvalidArgument {
+                        argument: "new_scale",
+                        reason: format!("GradScaler::update needs a number >= 0, got {s}"),
                     });
                 }
-                if let LossScale::Dynamic(d) = &mut self.scale {
-                    d.scale = s;
-                }
+                self.scale.set_scale(s);
             }
             None => {
                 if self.stages.is_empty() {
-                    return Err(AmpError::CallOrder(
-                        "No inf checks were recorded prior to update()".into(),
+                    return Err(AmpError::call_order(
+                        "update",
+                        CallOrderKind::NothingRecorded,
+                        "No inf checks were recorded prior to update(): call step() (or unscale()) on the \
+                         optimizers first",
                     ));
                 }
                 let inf = self.stages.values().any(|s| s.1);
@@ -289,15 +287,13 @@ impl GradScaler {
 
     /// PyTorch's state dict (`None` when disabled, where PyTorch returns `{}`).
     pub fn state_dict(&self) -> Option<GradScalerState> {
-        let LossScale::Dynamic(d) = &self.scale else {
-            return None;
-        };
+        let p = self.scale.params()?;
         self.enabled.then_some(GradScalerState {
-            scale: d.scale,
-            growth_factor: d.growth_factor,
-            backoff_factor: d.backoff_factor,
-            growth_interval: d.growth_interval,
-            growth_tracker: d.growth_tracker,
+            scale: self.scale.scale(),
+            growth_factor: p.growth_factor,
+            backoff_factor: p.backoff_factor,
+            growth_interval: p.growth_interval,
+            growth_tracker: self.scale.growth_tracker(),
         })
     }
 
@@ -321,10 +317,7 @@ impl GradScaler {
             s.growth_interval,
             self.enabled,
         )?;
-        if let LossScale::Dynamic(d) = &mut fresh.scale {
-            d.scale = s.scale;
-            d.growth_tracker = s.growth_tracker.min(s.growth_interval);
-        }
+        fresh.scale.restore_pytorch(s.scale, s.growth_tracker);
         *self = fresh;
         Ok(())
     }

@@ -1,14 +1,15 @@
-//! The thread-local autocast policy and the cast lists.
+//! The thread-local autocast policy.
 //!
 //! Rust cannot monkey-patch candle, so O1's per-op casting works through a thread-local
 //! policy that the functions in [`crate::ops`] and the layers in [`crate::nn`] consult. The
-//! policy is the crate's one global; it refers to a [`CastContext`] owned by the run (the
+//! policy is the crate's one global; it refers to a cast context owned by the run (the
 //! [`crate::Amp`] handle) or by a standalone [`scope`], which holds the cast cache, the user's
 //! registrations and the counters.
 //!
-//! * [`enter`] / [`scope`] open a scope and return a guard that closes it when dropped;
-//!   scopes nest; [`disable`] opens a disabled scope inside an enabled one; [`with`] and
-//!   [`disabled`] are the closure forms. Each thread keeps a stack of open scopes and the
+//! * [`scope`] (PyTorch's `autocast`), `amp.autocast()` (the run's policy) and
+//!   [`AutocastPolicy::enter`] open a scope and return a guard that closes it when dropped;
+//!   scopes nest; [`disable`] opens a disabled scope inside an enabled one; [`disabled`] is
+//!   the closure form. Each thread keeps a stack of open scopes and the
 //!   policy in effect is the most recently opened one still open, so guards dropped out of
 //!   order still leave exactly the scopes that are open in effect.
 //! * The cast cache holds half casts of f32 parameters (Vars). Each entry carries a
@@ -17,10 +18,10 @@
 //!   served stale. A run's cache is dropped when a `scale_loss` block ends (Apex); a
 //!   standalone [`scope`]'s when the scope closes (PyTorch). Only CPU tensors are cached.
 //! * The policy is per thread: a worker thread starts with no policy. To autocast on a
-//!   worker, take [`current`] on the spawning thread and [`enter`] it on the worker (the
-//!   cast cache is shared and thread-safe).
+//!   worker, take [`current`] on the spawning thread and [`enter`](AutocastPolicy::enter) it
+//!   on the worker (the cast cache is shared and thread-safe).
 //! * [`CAST_LISTS`] is the data: each op name with its [`CastPolicy`] (Apex's lists). A run
-//!   can register more names, or override built-in ones ([`CastContext::register`]).
+//!   can register more names, or override built-in ones (`Amp::register_op`).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -30,89 +31,14 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use candle_core::{DType, Tensor, TensorId};
 
+use super::cast_lists::builtin_policy;
+pub use super::cast_lists::{CAST_LISTS, CastPolicy};
 use crate::kernels::fingerprint::fingerprint;
-use crate::store::ParamStore;
-
-/// How an op's floating arguments are cast under autocast.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CastPolicy {
-    /// Run in the half type (matmul, convolutions, linear).
-    Half,
-    /// Run in f32 (pointwise ops that overflow in half, reductions, norms, softmax, losses).
-    Float,
-    /// Mixed half and f32 arguments all run in the widest type.
-    Promote,
-    /// Refused on half input; the message says what to use instead.
-    Banned(&'static str),
-}
-
-const BCE_BANNED: &str = "binary_cross_entropy on half-precision probabilities is unsafe (the sigmoid before it \
-saturates in half); use candle_amp::ops::binary_cross_entropy_with_logits on the logits instead";
-
-/// Apex's cast lists, as data: op name and policy. Ops not listed run in their input's type
-/// (relu, batch norm, embedding, reshapes, ...).
-pub const CAST_LISTS: &[(&str, CastPolicy)] = &[
-    // Half: the ops tensor cores are for.
-    ("matmul", CastPolicy::Half),
-    ("bmm", CastPolicy::Half),
-    ("linear", CastPolicy::Half),
-    ("conv1d", CastPolicy::Half),
-    ("conv2d", CastPolicy::Half),
-    ("conv_transpose1d", CastPolicy::Half),
-    ("conv_transpose2d", CastPolicy::Half),
-    ("prelu", CastPolicy::Half),
-    // Float: overflow-prone pointwise ops, reductions, normalisation, softmax, losses.
-    ("exp", CastPolicy::Float),
-    ("log", CastPolicy::Float),
-    ("pow", CastPolicy::Float),
-    ("reciprocal", CastPolicy::Float),
-    ("rsqrt", CastPolicy::Float),
-    ("sum", CastPolicy::Float),
-    ("mean", CastPolicy::Float),
-    ("var", CastPolicy::Float),
-    ("norm", CastPolicy::Float),
-    ("cumsum", CastPolicy::Float),
-    ("softmax", CastPolicy::Float),
-    ("log_softmax", CastPolicy::Float),
-    ("gelu", CastPolicy::Float),
-    ("layer_norm", CastPolicy::Float),
-    ("group_norm", CastPolicy::Float),
-    ("rms_norm", CastPolicy::Float),
-    ("cross_entropy", CastPolicy::Float),
-    ("nll", CastPolicy::Float),
-    ("mse", CastPolicy::Float),
-    ("l1", CastPolicy::Float),
-    ("smooth_l1", CastPolicy::Float),
-    ("kl_div", CastPolicy::Float),
-    ("binary_cross_entropy_with_logits", CastPolicy::Float),
-    // Promote: mixed arguments run in the widest type.
-    ("add", CastPolicy::Promote),
-    ("sub", CastPolicy::Promote),
-    ("mul", CastPolicy::Promote),
-    ("div", CastPolicy::Promote),
-    ("eq", CastPolicy::Promote),
-    ("ne", CastPolicy::Promote),
-    ("lt", CastPolicy::Promote),
-    ("le", CastPolicy::Promote),
-    ("gt", CastPolicy::Promote),
-    ("ge", CastPolicy::Promote),
-    ("where", CastPolicy::Promote),
-    ("cat", CastPolicy::Promote),
-    ("stack", CastPolicy::Promote),
-    // Banned.
-    ("binary_cross_entropy", CastPolicy::Banned(BCE_BANNED)),
-];
-
-/// The built-in policy of an op name, if it is on a list.
-pub fn builtin_policy(op: &str) -> Option<CastPolicy> {
-    CAST_LISTS.iter().find(|(n, _)| *n == op).map(|(_, p)| *p)
-}
 
 /// Per-run autocast state: the cast cache, registrations and counters. Owned by an
 /// [`crate::Amp`] handle (or a standalone [`scope`]) and shared with the thread-local policy.
-pub struct CastContext {
+pub(crate) struct CastContext {
     half: DType,
-    store: Option<ParamStore>,
     verbosity: u8,
     cache: Mutex<HashMap<(TensorId, DType), (u64, Tensor)>>,
     registry: RwLock<HashMap<String, CastPolicy>>,
@@ -132,12 +58,10 @@ impl std::fmt::Debug for CastContext {
 }
 
 impl CastContext {
-    /// A context casting to `half`. `store` is the run's parameter store, if any (casts are
-    /// validated by fingerprint either way).
-    pub fn new(half: DType, store: Option<ParamStore>, verbosity: u8) -> Self {
+    /// A context casting to `half`.
+    pub(crate) fn new(half: DType, verbosity: u8) -> Self {
         Self {
             half,
-            store,
             verbosity,
             cache: Mutex::new(HashMap::new()),
             registry: RwLock::new(HashMap::new()),
@@ -149,13 +73,13 @@ impl CastContext {
     }
 
     /// The half type.
-    pub fn half(&self) -> DType {
+    pub(crate) fn half(&self) -> DType {
         self.half
     }
 
     /// Registers (or overrides) an op name's policy for this run: a user function called
     /// through [`crate::ops::call`] under that name is cast accordingly.
-    pub fn register(&self, op: &str, policy: CastPolicy) {
+    pub(crate) fn register(&self, op: &str, policy: CastPolicy) {
         self.registry
             .write()
             .unwrap_or_else(|p| p.into_inner())
@@ -163,20 +87,15 @@ impl CastContext {
     }
 
     /// The policy of an op: the run's registration, else the built-in list.
-    pub fn policy(&self, op: &str) -> Option<CastPolicy> {
+    pub(crate) fn policy(&self, op: &str) -> Option<CastPolicy> {
         let r = self.registry.read().unwrap_or_else(|p| p.into_inner());
         r.get(op).copied().or_else(|| builtin_policy(op))
-    }
-
-    /// The run's parameter store, if this is a run's context.
-    pub fn store(&self) -> Option<&ParamStore> {
-        self.store.as_ref()
     }
 
     /// Casts `t` to `to` if it is a floating tensor other than f64 (integer and f64 tensors
     /// are never cast). Casts of f32 parameters (Vars) on the CPU to half are cached, and a
     /// cached cast is used only while the parameter's data is unchanged (its fingerprint).
-    pub fn cast(&self, t: &Tensor, to: DType) -> candle_core::Result<Tensor> {
+    pub(crate) fn cast(&self, t: &Tensor, to: DType) -> candle_core::Result<Tensor> {
         let from = t.dtype();
         if from == to || !eligible(from) {
             return Ok(t.clone());
@@ -208,17 +127,17 @@ impl CastContext {
     }
 
     /// Drops every cached cast (done when a step's `scale_loss` ends).
-    pub fn clear_cache(&self) {
+    pub(crate) fn clear_cache(&self) {
         self.cache.lock().unwrap_or_else(|p| p.into_inner()).clear();
     }
 
     /// Number of cached casts.
-    pub fn cached(&self) -> usize {
+    pub(crate) fn cached(&self) -> usize {
         self.cache.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 
     /// Casts served from the cache so far.
-    pub fn cache_hits(&self) -> usize {
+    pub(crate) fn cache_hits(&self) -> usize {
         self.cache_hits.load(Ordering::Relaxed)
     }
 
@@ -226,20 +145,15 @@ impl CastContext {
         self.half_ops.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Ops that ran in half since the last [`end_step`](Self::end_step).
-    pub fn half_ops(&self) -> usize {
-        self.half_ops.load(Ordering::Relaxed)
-    }
-
     /// Ops that ran in half in the last completed step.
-    pub fn last_step_half_ops(&self) -> usize {
+    pub(crate) fn last_step_half_ops(&self) -> usize {
         self.last_half_ops.load(Ordering::Relaxed)
     }
 
     /// Ends a step: records its half-op count, clears the cache, and returns the count and,
     /// once per context, a warning if an autocasting run ran no autocast op at all (also
     /// logged).
-    pub fn end_step(&self, expect_ops: bool) -> (usize, Option<String>) {
+    pub(crate) fn end_step(&self, expect_ops: bool) -> (usize, Option<String>) {
         let n = self.half_ops.swap(0, Ordering::Relaxed);
         self.last_half_ops.store(n, Ordering::Relaxed);
         let mut warning = None;
@@ -256,26 +170,31 @@ impl CastContext {
 }
 
 /// Whether autocast may cast a tensor of this dtype (floating, not f64).
-pub fn eligible(dt: DType) -> bool {
+pub(crate) fn eligible(dt: DType) -> bool {
     matches!(dt, DType::F16 | DType::BF16 | DType::F32)
 }
 
-/// A thread's autocast policy: on or off, and the context it casts through.
+/// A thread's autocast policy: on or off, and the run's (or scope's) cast context. Take it
+/// with [`current`] on one thread and [`enter`](Self::enter) it on a worker.
 #[derive(Debug, Clone)]
 pub struct AutocastPolicy {
-    /// Whether ops autocast.
-    pub enabled: bool,
-    /// The run's (or scope's) context.
-    pub context: Arc<CastContext>,
+    pub(crate) enabled: bool,
+    pub(crate) context: Arc<CastContext>,
 }
 
 impl AutocastPolicy {
     /// An enabled policy over `context`.
-    pub fn new(context: Arc<CastContext>) -> Self {
+    pub(crate) fn new(context: Arc<CastContext>) -> Self {
         Self { enabled: true, context }
     }
 
-    /// Enters this policy on the current thread (e.g. a worker thread).
+    /// The half type this policy casts to.
+    pub fn half(&self) -> DType {
+        self.context.half()
+    }
+
+    /// Enters this policy on the current thread (e.g. a worker thread) until the guard
+    /// drops.
     pub fn enter(&self) -> AutocastGuard {
         enter(self.clone())
     }
@@ -311,7 +230,7 @@ impl Drop for AutocastGuard {
 }
 
 /// Enters `policy` on this thread until the guard drops.
-pub fn enter(policy: AutocastPolicy) -> AutocastGuard {
+pub(crate) fn enter(policy: AutocastPolicy) -> AutocastGuard {
     let id = NEXT_SCOPE.with(|n| {
         let id = n.get();
         n.set(id + 1);
@@ -344,7 +263,7 @@ pub fn enter(policy: AutocastPolicy) -> AutocastGuard {
 /// # Ok(()) }
 /// ```
 pub fn scope(half: DType) -> AutocastGuard {
-    enter(AutocastPolicy::new(Arc::new(CastContext::new(half, None, 0))))
+    enter(AutocastPolicy::new(Arc::new(CastContext::new(half, 0))))
 }
 
 /// PyTorch's default autocast type for a device: bf16 on CPU, f16 on CUDA.
@@ -367,12 +286,6 @@ pub fn disable() -> AutocastGuard {
     }
 }
 
-/// Runs `f` under `policy`.
-pub fn with<R>(policy: AutocastPolicy, f: impl FnOnce() -> R) -> R {
-    let _g = enter(policy);
-    f()
-}
-
 /// Runs `f` with autocast disabled.
 pub fn disabled<R>(f: impl FnOnce() -> R) -> R {
     let _g = disable();
@@ -385,7 +298,7 @@ pub fn current() -> Option<AutocastPolicy> {
 }
 
 /// The context of this thread's policy when autocast is enabled.
-pub fn active() -> Option<Arc<CastContext>> {
+pub(crate) fn active() -> Option<Arc<CastContext>> {
     SCOPES.with(|s| {
         s.borrow()
             .last()

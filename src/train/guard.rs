@@ -4,12 +4,12 @@
 //! backward is a pipeline of named stages, the same for the PyTorch-style
 //! [`GradScaler`](crate::GradScaler):
 //!
-//! 1. [`stage_backward`]: backward on the scaled loss (replaceable: see
+//! 1. backward on the scaled loss (replaceable: see
 //!    [`ScaleLoss::backward_with`] and [`ScaleLoss::backward_from_grads`] for other drivers,
 //!    such as gradient checkpointing);
 //! 2. reduce: the [`GradReducer`](crate::GradReducer) hook over the raw gradients (a no-op
 //!    unless one is installed; data parallel all-reduces here);
-//! 3. [`stage_unscale`]: check each raw gradient for inf/NaN and unscale it into f32 in one
+//! 3. unscale: check each raw gradient for inf/NaN and unscale it into f32 in one
 //!    pass (the overflow flag is then combined through the reducer);
 //! 4. accumulate: add them to each optimizer's master gradients, OR-ing the overflow flags,
 //!    so several backward passes can precede one step.
@@ -17,10 +17,12 @@
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 
-use crate::amp::{Amp, Shared};
-use crate::error::{AmpError, Result};
+use std::sync::Arc;
+
+use super::optim::{AmpOptimizer, Round};
+use super::run::RunState;
+use crate::error::{AmpError, CallOrderKind, Result};
 use crate::kernels::unscale::{nonfinite, unscale_check as unscale_kernel};
-use crate::optim::{AmpOptimizer, Round};
 
 /// What a backward through the guard (or [`crate::GradScaler::accumulate`]) found.
 #[derive(Debug, Clone, PartialEq)]
@@ -40,7 +42,7 @@ pub struct BackwardReport {
     pub warnings: Vec<String>,
 }
 
-/// A scoped guard around one loss, made by [`Amp::scale_loss`].
+/// A scoped guard around one loss, made by [`crate::Amp::scale_loss`].
 ///
 /// When to use: once per loss per iteration, between the forward pass and
 /// [`AmpOptimizer::step`]. What it does to state: nothing until
@@ -73,7 +75,7 @@ pub struct BackwardReport {
 /// # Ok(()) }
 /// ```
 pub struct ScaleLoss<'a> {
-    amp: &'a Amp,
+    run: &'a Arc<RunState>,
     optimizers: Vec<&'a mut AmpOptimizer>,
     loss_id: usize,
     scaled: Tensor,
@@ -97,45 +99,37 @@ impl std::ops::Deref for ScaleLoss<'_> {
     }
 }
 
-/// Whether any element of `t` is inf or NaN.
-pub fn has_nonfinite(t: &Tensor) -> Result<bool> {
-    nonfinite(t)
-}
-
 impl<'a> ScaleLoss<'a> {
     pub(crate) fn new(
-        amp: &'a Amp,
+        run: &'a Arc<RunState>,
         loss: &Tensor,
         loss_id: usize,
         optimizers: Vec<&'a mut AmpOptimizer>,
     ) -> Result<Self> {
-        amp.check_loss_id(loss_id)?;
+        run.check_loss_id(loss_id)?;
         for o in &optimizers {
-            if !o.belongs_to(&amp.shared) {
-                return Err(AmpError::CallOrder(
-                    "this optimizer was made by another AMP handle; use the handle that made it".into(),
+            if !o.belongs_to(run) {
+                return Err(AmpError::call_order(
+                    "scale_loss",
+                    CallOrderKind::ForeignOptimizer,
+                    "this optimizer was made by another AMP handle; use the handle that made it",
                 ));
             }
-            o.check_can_backward()?;
+            o.check_can_backward("scale_loss")?;
         }
-        let scale = amp.loss_scale(loss_id)?;
+        let scale = run.loss_scale(loss_id)?;
         // Scale in f32: an f16 loss times 65536 would already be inf.
         let loss32 = loss.to_dtype(DType::F32)?;
-        let loss_nonfinite = amp.properties().enabled && has_nonfinite(&loss32)?;
+        let loss_nonfinite = run.props.enabled && nonfinite(&loss32)?;
         let scaled = loss32.affine(scale as f64, 0.0)?;
         Ok(Self {
-            amp,
+            run,
             optimizers,
             loss_id,
             scaled,
             scale,
             loss_nonfinite,
         })
-    }
-
-    /// The loss, in f32, times the scale.
-    pub fn scaled_loss(&self) -> &Tensor {
-        &self.scaled
     }
 
     /// The scale the loss was multiplied by.
@@ -160,20 +154,20 @@ impl<'a> ScaleLoss<'a> {
         self.backward_from_grads(grads)
     }
 
-    /// Runs stages 2 to 4 on raw gradients obtained elsewhere (they must be gradients of
-    /// [`scaled_loss`](Self::scaled_loss), keyed by the working Vars).
+    /// Runs stages 2 to 4 on raw gradients obtained elsewhere (they must be gradients of the
+    /// scaled loss, which the guard dereferences to, keyed by the working Vars).
     pub fn backward_from_grads(self, grads: GradStore) -> Result<BackwardReport> {
         let ScaleLoss {
-            amp,
+            run,
             mut optimizers,
             loss_id,
             scale,
             loss_nonfinite,
             ..
         } = self;
-        let check = amp.properties().enabled;
+        let check = run.props.enabled;
         let report = run_stages(
-            &amp.shared,
+            run,
             grads,
             &mut optimizers,
             Round::Loss(loss_id),
@@ -182,8 +176,8 @@ impl<'a> ScaleLoss<'a> {
             check,
         );
         // The block is over: its casts are dropped (weights change at the step).
-        let o1 = amp.properties().patch_functions;
-        let (ops, warning) = amp.shared.casts.end_step(o1);
+        let o1 = run.props.patch_functions;
+        let (ops, warning) = run.casts.end_step(o1);
         let mut report = report?;
         if o1 {
             report.autocast_ops = Some(ops);
@@ -198,7 +192,7 @@ impl<'a> ScaleLoss<'a> {
 /// (stage 3; the overflow flag combined through the reducer), and accumulate them into the
 /// optimizers (stage 4). Everything that can refuse is checked before any optimizer changes.
 pub(crate) fn run_stages(
-    shared: &Shared,
+    run: &RunState,
     mut grads: GradStore,
     optimizers: &mut [&mut AmpOptimizer],
     round: Round,
@@ -207,11 +201,11 @@ pub(crate) fn run_stages(
     check: bool,
 ) -> Result<BackwardReport> {
     for o in optimizers.iter() {
-        o.check_can_backward()?;
+        o.check_can_backward("backward")?;
     }
     let owned: Vec<Vec<(String, Var)>> = optimizers.iter_mut().map(|o| o.trained_vars()).collect::<Result<_>>()?;
     let all: Vec<(String, Var)> = owned.iter().flatten().cloned().collect();
-    let reducer = shared.reducer();
+    let reducer = run.reducer();
     if let Some(r) = &reducer {
         r.reduce(&mut grads, &all)?;
     }
@@ -245,13 +239,13 @@ pub(crate) fn run_stages(
 }
 
 /// Stage 1: backward on the scaled loss.
-pub fn stage_backward(scaled_loss: &Tensor) -> Result<GradStore> {
+pub(crate) fn stage_backward(scaled_loss: &Tensor) -> Result<GradStore> {
     Ok(scaled_loss.backward()?)
 }
 
 /// Stage 3's output for one optimizer.
 #[derive(Debug)]
-pub struct Unscaled {
+pub(crate) struct Unscaled {
     /// Unscaled f32 gradients by parameter name (parameters without a gradient are absent).
     pub grads: Vec<(String, Tensor)>,
     /// Whether any was non-finite.
@@ -260,14 +254,8 @@ pub struct Unscaled {
     pub nonfinite: Vec<String>,
 }
 
-/// Checks one raw gradient for inf/NaN (PyTorch's order: the raw values first) and unscales
-/// it into a detached f32 tensor; reports whether it held a non-finite value.
-pub fn unscale_check(raw: &Tensor, scale: f32) -> Result<(Tensor, bool)> {
-    unscale_kernel(raw, scale, true)
-}
-
 /// Stage 3: check and unscale into f32 (no check when `check` is false, i.e. AMP disabled).
-pub fn stage_unscale(grads: &GradStore, params: &[(String, Var)], scale: f32, check: bool) -> Result<Unscaled> {
+pub(crate) fn stage_unscale(grads: &GradStore, params: &[(String, Var)], scale: f32, check: bool) -> Result<Unscaled> {
     let mut out = Unscaled {
         grads: Vec::new(),
         found_inf: false,

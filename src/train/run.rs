@@ -1,0 +1,107 @@
+//! The run's shared state: what one [`crate::Amp`] handle, its models and its optimizers
+//! have in common. Nothing is global: two handles share nothing.
+//!
+//! The handle, the guard, the optimizers and `GradScaler` all depend on this module, not on
+//! each other.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::reduce::GradReducer;
+use super::rng::Generator;
+use crate::error::{AmpError, Result};
+use crate::precision::autocast::CastContext;
+use crate::precision::opt_level::Properties;
+use crate::precision::store::ParamStore;
+use crate::scaling::scaler::{ScalerSlot, ScalerState};
+
+/// Which trainable parameters an optimizer owns, by name.
+pub(crate) type Filter = Arc<dyn Fn(&str) -> bool + Send + Sync>;
+
+/// Properties, parameters, loss scalers, the reducer, the optimizers' claims, generators and
+/// the cast context of one run.
+pub(crate) struct RunState {
+    pub props: Properties,
+    pub store: ParamStore,
+    scalers: Mutex<Vec<ScalerSlot>>,
+    reducer: Mutex<Option<Arc<dyn GradReducer>>>,
+    /// The live optimizers' claims (which trainable parameters each owns), by optimizer id.
+    claims: Mutex<BTreeMap<usize, Filter>>,
+    generators: Mutex<BTreeMap<String, Generator>>,
+    pub casts: Arc<CastContext>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A poisoned lock means a panic elsewhere; the data is still consistent per entry.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl RunState {
+    /// A run at `props` over `store`.
+    pub(crate) fn new(props: Properties, store: ParamStore) -> Self {
+        let scale = props.initial_loss_scale();
+        let scalers = (0..props.num_losses).map(|_| ScalerSlot::new(scale)).collect();
+        let casts = Arc::new(CastContext::new(props.half.dtype(), props.verbosity));
+        Self {
+            props,
+            store,
+            scalers: Mutex::new(scalers),
+            reducer: Mutex::new(None),
+            claims: Mutex::new(BTreeMap::new()),
+            generators: Mutex::new(BTreeMap::new()),
+            casts,
+        }
+    }
+
+    pub(crate) fn scalers_mut(&self) -> MutexGuard<'_, Vec<ScalerSlot>> {
+        lock(&self.scalers)
+    }
+
+    pub(crate) fn claims_mut(&self) -> MutexGuard<'_, BTreeMap<usize, Filter>> {
+        lock(&self.claims)
+    }
+
+    /// The installed stage-2 reducer, if any.
+    pub(crate) fn reducer(&self) -> Option<Arc<dyn GradReducer>> {
+        lock(&self.reducer).clone()
+    }
+
+    pub(crate) fn set_reducer(&self, reducer: Option<Arc<dyn GradReducer>>) {
+        *lock(&self.reducer) = reducer;
+    }
+
+    /// The generator called `name`, created from the run's seed and the name on first use.
+    pub(crate) fn generator(&self, name: &str) -> Generator {
+        lock(&self.generators)
+            .entry(name.to_string())
+            .or_insert_with(|| Generator::new(self.props.seed, name))
+            .clone()
+    }
+
+    /// Every generator's state, by name.
+    pub(crate) fn generator_states(&self) -> BTreeMap<String, rand_chacha::ChaCha8Rng> {
+        lock(&self.generators)
+            .iter()
+            .map(|(k, g)| (k.clone(), g.snapshot()))
+            .collect()
+    }
+
+    pub(crate) fn check_loss_id(&self, id: usize) -> Result<()> {
+        let n = self.props.num_losses;
+        if id >= n {
+            return Err(AmpError::LossId { id, num_losses: n });
+        }
+        Ok(())
+    }
+
+    /// The current scale of loss scaler `loss_id`.
+    pub(crate) fn loss_scale(&self, loss_id: usize) -> Result<f32> {
+        self.check_loss_id(loss_id)?;
+        Ok(self.scalers_mut()[loss_id].state.scale.scale())
+    }
+
+    /// Every loss scaler's state.
+    pub(crate) fn scaler_states(&self) -> Vec<ScalerState> {
+        self.scalers_mut().iter().map(|s| s.state.clone()).collect()
+    }
+}
