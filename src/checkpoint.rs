@@ -40,7 +40,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::amp::{Amp, AmpState, STATE_FORMAT_VERSION};
 use crate::error::{AmpError, CheckpointErrorKind as Kind, Result};
-use crate::files::{crc_of, fsync_dir, map_safetensors, write_safetensors, write_synced};
+use crate::files::{Source, crc_of, fsync_dir, map_safetensors, write_sources, write_synced};
 use crate::precision::opt_level::Properties;
 use crate::scaling::scaler::ScalerState;
 use crate::train::optim::{AmpOptimizer, AmpOptimizerState, GroupHyper, OptimizerState, ParamState, same_values};
@@ -52,6 +52,9 @@ const STATE: &str = "state.json";
 const MANIFEST: &str = "manifest.json";
 const FORMAT: &str = "candle-amp-checkpoint";
 const LOCK: &str = ".lock";
+
+/// Tensors to write, by name.
+type NamedSources = Vec<(String, Source<'static>)>;
 /// The files of a version, each listed in its manifest with size and CRC-32.
 const FILES: [&str; 3] = [WEIGHTS, BUFFERS, STATE];
 
@@ -162,29 +165,18 @@ impl Checkpoint {
     /// order. The tensors are copied, so the capture does not change as training goes on
     /// (it costs one copy of the state; [`CheckpointDir::save`] writes a run without one).
     pub fn capture(amp: &Amp, optimizers: &[&AmpOptimizer], step: u64) -> Result<Self> {
-        Self::of_run(amp, optimizers, step, serde_json::Value::Null, true)
-    }
-
-    /// The run's state; tensors copied when `copy`, else shared with the live run (only for
-    /// writing it out at once).
-    fn of_run(
-        amp: &Amp,
-        optimizers: &[&AmpOptimizer],
-        step: u64,
-        extra: serde_json::Value,
-        copy: bool,
-    ) -> Result<Self> {
+        let extra = serde_json::Value::Null;
         let mut weights = BTreeMap::new();
         for p in amp.store().params() {
             let v = p.f32_value()?;
-            // Shares the live Var's storage when it is the master or an f32 working weight.
-            let v = if copy && p.f32_var().is_some() { v.copy()? } else { v };
+            // The master or an f32 working weight shares the live Var's storage: copy it.
+            let v = if p.f32_var().is_some() { v.copy()? } else { v };
             weights.insert(p.name().to_string(), v.detach());
         }
         let mut buffers = BTreeMap::new();
         let mut records = Vec::new();
         for (i, o) in optimizers.iter().enumerate() {
-            let st = if copy { o.state_dict()? } else { o.state_view()? };
+            let st = o.state_dict()?;
             for (name, ps) in &st.algorithm.params {
                 for (b, t) in &ps.buffers {
                     buffers.insert(buffer_key(i, name, b), t.to_dtype(DType::F32)?);
@@ -359,22 +351,24 @@ impl Checkpoint {
         }
     }
 
-    fn memory_tensors(&self) -> Result<(BTreeMap<String, Tensor>, BTreeMap<String, Tensor>)> {
-        match &self.tensors {
-            Tensors::Memory { weights, buffers } => Ok((weights.clone(), buffers.clone())),
-            Tensors::Mapped { .. } => {
-                let mut buffers = BTreeMap::new();
-                for (i, r) in self.optimizers.iter().enumerate() {
-                    for (name, (_, bufs)) in &r.params {
-                        for b in bufs {
-                            let k = buffer_key(i, name, b);
-                            buffers.insert(k.clone(), self.tensor(true, &k)?);
-                        }
-                    }
+    /// The tensors to write (a loaded checkpoint's are read from its files).
+    fn sources(&self) -> Result<(NamedSources, NamedSources)> {
+        let weights = self
+            .weight_shapes()
+            .into_iter()
+            .map(|(k, _)| Ok((k.clone(), Source::Tensor(self.tensor(false, &k)?))))
+            .collect::<Result<_>>()?;
+        let mut buffers = Vec::new();
+        for (i, r) in self.optimizers.iter().enumerate() {
+            for (name, (_, bufs)) in &r.params {
+                for b in bufs {
+                    let k = buffer_key(i, name, b);
+                    let t = self.tensor(true, &k)?;
+                    buffers.push((k, Source::Tensor(t)));
                 }
-                Ok((self.weights()?, buffers))
             }
         }
+        Ok((weights, buffers))
     }
 }
 
@@ -553,8 +547,9 @@ impl CheckpointDir {
 
     /// Saves the live run (weights, every optimizer's state in the order given, scalers,
     /// generators, `step` and your `extra` data) as a new version, commits it, and prunes old
-    /// versions. Tensors are streamed from the run into the files one at a time: no copy of
-    /// the state is made. Returns the version's directory.
+    /// versions. Tensors are streamed from the run into the files one at a time, and the
+    /// optimizers' own f32 buffers (moments) are written straight from where they live: no
+    /// copy of the state is made. Returns the version's directory.
     pub fn save(
         &self,
         amp: &Amp,
@@ -562,13 +557,53 @@ impl CheckpointDir {
         step: u64,
         extra: serde_json::Value,
     ) -> Result<PathBuf> {
-        let ck = Checkpoint::of_run(amp, optimizers, step, extra, false)?;
-        self.save_checkpoint(&ck)
+        let mut weights = Vec::new();
+        for p in amp.store().params() {
+            weights.push((p.name().to_string(), Source::Tensor(p.f32_value()?.detach())));
+        }
+        let mut buffers = Vec::new();
+        let mut records = Vec::new();
+        for (i, o) in optimizers.iter().enumerate() {
+            let meta = o.state_meta()?;
+            let mut record = record_of(&meta);
+            for pb in o.param_buffers()? {
+                let names = pb.buffers.iter().map(|(k, _)| k.clone()).collect();
+                record.params.insert(pb.param.clone(), (pb.step, names));
+                for (k, v) in pb.buffers {
+                    buffers.push((buffer_key(i, &pb.param, &k), Source::Values(v, pb.shape.clone())));
+                }
+            }
+            records.push(record);
+        }
+        let state = StateFile {
+            step,
+            amp: amp.state_dict_without_weights(),
+            optimizers: records,
+            extra,
+        };
+        self.write_version(&weights, &buffers, &state)
     }
 
     /// Writes a [`Checkpoint`] (a capture, or one loaded elsewhere) as a new version,
     /// commits it, and prunes old versions. Returns the version's directory.
     pub fn save_checkpoint(&self, ckpt: &Checkpoint) -> Result<PathBuf> {
+        let (weights, buffers) = ckpt.sources()?;
+        let state = StateFile {
+            step: ckpt.step,
+            amp: ckpt.amp.clone(),
+            optimizers: ckpt.optimizers.clone(),
+            extra: ckpt.extra.clone(),
+        };
+        self.write_version(&weights, &buffers, &state)
+    }
+
+    /// Writes one version from its tensors and state, commits it, prunes old versions.
+    fn write_version(
+        &self,
+        weights: &[(String, Source<'_>)],
+        buffers: &[(String, Source<'_>)],
+        state: &StateFile,
+    ) -> Result<PathBuf> {
         fs::create_dir_all(&self.root).map_err(|e| AmpError::io(&self.root, e))?;
         let _lock = self.lock_exclusive()?;
         let committed = self.clean_up_locked()?;
@@ -581,18 +616,9 @@ impl CheckpointDir {
         }
         fs::create_dir(&tmp_dir).map_err(|e| AmpError::io(&tmp_dir, e))?;
 
-        let (weights, buffers) = ckpt.memory_tensors()?;
-        write_safetensors(&weights, &tmp_dir.join(WEIGHTS))?;
-        drop(weights);
-        write_safetensors(&buffers, &tmp_dir.join(BUFFERS))?;
-        drop(buffers);
-        let state = StateFile {
-            step: ckpt.step,
-            amp: ckpt.amp.clone(),
-            optimizers: ckpt.optimizers.clone(),
-            extra: ckpt.extra.clone(),
-        };
-        let bytes = serde_json::to_vec(&state).map_err(|e| AmpError::checkpoint(&tmp_dir, Kind::Io, e.to_string()))?;
+        write_sources(weights, &tmp_dir.join(WEIGHTS))?;
+        write_sources(buffers, &tmp_dir.join(BUFFERS))?;
+        let bytes = serde_json::to_vec(state).map_err(|e| AmpError::checkpoint(&tmp_dir, Kind::Io, e.to_string()))?;
         write_synced(&tmp_dir.join(STATE), &bytes)?;
 
         let files = FILES
@@ -609,7 +635,7 @@ impl CheckpointDir {
         let manifest = Manifest {
             format: FORMAT.into(),
             format_version: STATE_FORMAT_VERSION,
-            step: ckpt.step,
+            step: state.step,
             files,
         };
         let mbytes = serde_json::to_vec_pretty(&manifest)

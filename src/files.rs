@@ -1,6 +1,7 @@
 //! Files written so that a crash never leaves half of one, and safetensors read through a
 //! memory map. Shared by checkpoints and the handle's weight import and export.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File};
 use std::io::{Read, Write};
@@ -46,14 +47,110 @@ pub(crate) fn crc_of(path: &Path) -> Result<(u64, u32)> {
     Ok((n, h.finalize()))
 }
 
-/// Writes tensors as safetensors to `path` (one tensor's bytes in memory at a time) and
-/// syncs the file.
+/// A tensor to write: a candle tensor (its bytes made when it is written, one at a time) or
+/// f32 values that may be borrowed (written without a copy).
+pub(crate) enum Source<'a> {
+    Tensor(Tensor),
+    Values(Cow<'a, [f32]>, Vec<usize>),
+}
+
+impl safetensors::View for &Source<'_> {
+    fn dtype(&self) -> safetensors::Dtype {
+        match self {
+            Source::Tensor(t) => match t.dtype() {
+                candle_core::DType::F16 => safetensors::Dtype::F16,
+                candle_core::DType::BF16 => safetensors::Dtype::BF16,
+                candle_core::DType::F64 => safetensors::Dtype::F64,
+                candle_core::DType::U8 => safetensors::Dtype::U8,
+                candle_core::DType::U32 => safetensors::Dtype::U32,
+                candle_core::DType::I64 => safetensors::Dtype::I64,
+                _ => safetensors::Dtype::F32,
+            },
+            Source::Values(..) => safetensors::Dtype::F32,
+        }
+    }
+
+    fn shape(&self) -> &[usize] {
+        match self {
+            Source::Tensor(t) => t.dims(),
+            Source::Values(_, s) => s,
+        }
+    }
+
+    fn data(&self) -> Cow<'_, [u8]> {
+        match self {
+            // candle's own conversion (one tensor's bytes at a time).
+            Source::Tensor(t) => Cow::Owned(tensor_bytes(t)),
+            Source::Values(v, _) => f32_bytes(v),
+        }
+    }
+
+    fn data_len(&self) -> usize {
+        match self {
+            Source::Tensor(t) => t.elem_count() * t.dtype().size_in_bytes(),
+            Source::Values(v, _) => v.len() * 4,
+        }
+    }
+}
+
+/// f32 values as little-endian bytes: borrowed on little-endian machines.
+fn f32_bytes(v: &[f32]) -> Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        // SAFETY: f32 has no padding and every byte is initialised; u8 has alignment 1.
+        Cow::Borrowed(unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, v.len() * 4) })
+    } else {
+        Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect())
+    }
+}
+
+/// A tensor's values as little-endian bytes (row-major).
+fn tensor_bytes(t: &Tensor) -> Vec<u8> {
+    let mut out = Vec::with_capacity(t.elem_count() * t.dtype().size_in_bytes());
+    let t = t.flatten_all().and_then(|t| t.to_device(&candle_core::Device::Cpu));
+    macro_rules! put {
+        ($ty:ty) => {
+            if let Ok(v) = t.and_then(|t| t.to_vec1::<$ty>()) {
+                for x in v {
+                    out.extend_from_slice(&x.to_le_bytes());
+                }
+            }
+        };
+    }
+    match t.as_ref().map(|t| t.dtype()) {
+        Ok(candle_core::DType::F16) => put!(half::f16),
+        Ok(candle_core::DType::BF16) => put!(half::bf16),
+        Ok(candle_core::DType::F64) => put!(f64),
+        Ok(candle_core::DType::U8) => put!(u8),
+        Ok(candle_core::DType::U32) => put!(u32),
+        Ok(candle_core::DType::I64) => put!(i64),
+        _ => put!(f32),
+    }
+    out
+}
+
+/// Writes named tensors as safetensors to `path` (one tensor's bytes in memory at a time,
+/// none for borrowed values) and syncs the file.
+pub(crate) fn write_sources(items: &[(String, Source<'_>)], path: &Path) -> Result<()> {
+    let mut items: Vec<(&str, &Source<'_>)> = items.iter().map(|(k, s)| (k.as_str(), s)).collect();
+    items.sort_by(|a, b| a.0.cmp(b.0));
+    let expected: usize = items.iter().map(|(_, s)| safetensors::View::data_len(s)).sum();
+    safetensors::serialize_to_file(items, None, path)
+        .map_err(|e| AmpError::checkpoint(path, Kind::Io, e.to_string()))?;
+    let f = File::open(path).map_err(|e| AmpError::io(path, e))?;
+    let len = f.metadata().map_err(|e| AmpError::io(path, e))?.len() as usize;
+    if len < expected {
+        return Err(AmpError::checkpoint(path, Kind::Io, "short write"));
+    }
+    f.sync_all().map_err(|e| AmpError::io(path, e))
+}
+
+/// Writes tensors as safetensors to `path` and syncs the file.
 pub(crate) fn write_safetensors(tensors: &BTreeMap<String, Tensor>, path: &Path) -> Result<()> {
-    let map: HashMap<&str, Tensor> = tensors.iter().map(|(k, t)| (k.as_str(), t.clone())).collect();
-    candle_core::safetensors::save(&map, path).map_err(|e| AmpError::checkpoint(path, Kind::Io, e.to_string()))?;
-    File::open(path)
-        .and_then(|f| f.sync_all())
-        .map_err(|e| AmpError::io(path, e))
+    let items: Vec<(String, Source<'_>)> = tensors
+        .iter()
+        .map(|(k, t)| (k.clone(), Source::Tensor(t.clone())))
+        .collect();
+    write_sources(&items, path)
 }
 
 /// Writes safetensors beside `path` and renames them over it, so that a crash leaves either

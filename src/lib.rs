@@ -45,7 +45,7 @@ mod amp;
 pub mod checkpoint;
 mod error;
 mod files;
-mod kernels;
+pub mod kernels;
 pub mod nn;
 mod precision;
 mod scaling;

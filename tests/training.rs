@@ -355,14 +355,15 @@ fn our_sgd_and_adamw_equal_candle_nn_on_f32() {
 
 #[test]
 fn sgd_momentum_and_nesterov_follow_pytorch() {
-    // One parameter, gradient g = p (loss = p^2/2), by hand.
-    for nesterov in [false, true] {
+    // One parameter, gradient g = p (loss = p^2/2), by hand; the fused and tensor paths.
+    for (nesterov, fused) in [(false, true), (true, true), (false, false), (true, false)] {
         let cfg = SgdConfig {
             lr: 0.1,
             momentum: 0.9,
             dampening: 0.0,
             weight_decay: 0.1,
             nesterov,
+            fused,
         };
         let (model, mut opt, amp) = amp::initialize(
             |vb| vb.get_with_hints(1, "p", candle_nn::Init::Const(1.0)),
@@ -386,7 +387,10 @@ fn sgd_momentum_and_nesterov_follow_pytorch() {
             p -= 0.1 * step;
         }
         let got = flat(model.inner())[0] as f64;
-        assert!((got - p).abs() < 1e-6, "nesterov={nesterov}: {got} vs {p}");
+        assert!(
+            (got - p).abs() < 1e-6,
+            "nesterov={nesterov} fused={fused}: {got} vs {p}"
+        );
     }
 }
 

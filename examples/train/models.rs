@@ -28,8 +28,8 @@ impl Mlp {
 
 impl Module for Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.fc1.forward(x)?.relu()?;
-        let h = self.fc2.forward(&h)?.relu()?;
+        let h = ops::relu(&self.fc1.forward(x)?)?;
+        let h = ops::relu(&self.fc2.forward(&h)?)?;
         self.fc3.forward(&h)
     }
 }

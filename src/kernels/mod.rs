@@ -1,10 +1,60 @@
-//! CPU kernels: fused passes over raw tensor data, each with a fallback to plain candle ops
-//! on other devices.
+//! Fused CPU kernels: what makes mixed precision fast on a CPU.
 //!
-//! * [`unscale`]: check a raw (scaled) gradient for inf/NaN and unscale it into f32 in one
-//!   pass.
-//! * [`fingerprint`]: a content hash of a tensor's data, which the autocast cache checks so
-//!   that it never serves a cast of data that has since changed.
+//! Each kernel makes one pass over raw tensor data, picks its instruction set at run time
+//! (AMX tiles, AVX-512 with BF16 dot products, AVX-512, AVX2 with FMA and F16C, or
+//! portable Rust; see [`Isa`]), splits large work over the rayon pool, and falls back to plain candle ops on
+//! other devices and types. The library uses them everywhere (casts, the model wrapper,
+//! `ops::linear`/`ops::matmul` and the `nn` layers, stage 3 of the guard's pipeline, the
+//! optimizers); they are public for custom layers and benchmarks.
+//!
+//! * [`cast`] and [`cast_into`]: f32/f16/bf16 conversion at memory speed, differentiable or
+//!   into a preallocated tensor;
+//! * [`unscale_check_into`]: check a raw gradient for inf/NaN and unscale it into (or add it
+//!   to) an f32 buffer in one pass;
+//! * [`matmul`] and [`linear`]: matrix products with f32 accumulation (bf16 on AMX tiles
+//!   where the CPU has them), as custom ops with their own backward; `linear` fuses the bias
+//!   and, in its backward, the bias gradient;
+//! * [`relu`] and [`gelu`]: activations with one-pass backwards (GELU in f32 arithmetic);
+//! * [`adamw`]: the fused AdamW update of an f32 master, its moments and its half copy.
+//!
+//! [`force_isa`] caps the instruction set (tests check every path against the portable one).
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
+#[cfg(target_arch = "x86_64")]
+mod bf16_gemm;
+mod cast;
 pub(crate) mod fingerprint;
+mod gelu;
+mod gemm;
+mod isa;
+mod mat;
+mod matmul;
+mod relu;
+mod simd;
+pub(crate) mod slices;
 pub(crate) mod unscale;
+
+pub use cast::{cast, cast_into};
+pub use gelu::gelu;
+pub use isa::Isa;
+pub use matmul::{linear, matmul};
+pub use relu::relu;
+pub use slices::{AdamWStep, HalfOut, adamw};
+pub use unscale::unscale_check_into;
+
+/// The instruction set the kernels use now: what the CPU has, or lower after [`force_isa`].
+pub fn isa() -> Isa {
+    isa::current()
+}
+
+/// What this CPU supports.
+pub fn detected_isa() -> Isa {
+    isa::detected()
+}
+
+/// Caps the kernels at `isa` (never above what the CPU has), process-wide; `None` lifts the
+/// cap. Meant for checking the fallbacks against the vector paths.
+pub fn force_isa(isa: Option<Isa>) {
+    isa::force(isa)
+}

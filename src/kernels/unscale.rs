@@ -7,57 +7,33 @@
 //! finite gradient stays finite and the step counts as clean, as in PyTorch. A gradient whose
 //! unscaled value does not fit in f32 (possible only with scales below 1) is reported as an
 //! overflow rather than written into the weights as inf, where PyTorch would write it.
+//!
+//! One pass over the raw values on the CPU (vectorised, split over the rayon pool for large
+//! tensors); the same arithmetic with tensor ops elsewhere.
 
-use candle_core::{CpuStorage, DType, Storage, Tensor};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Storage, Tensor};
 
+use super::simd::Elem;
+use super::slices::{Unscale, Vx, unscale as unscale_slice};
 use crate::error::Result;
 
-/// How a raw value becomes an unscaled f32 value.
-#[derive(Clone, Copy)]
-enum Unscale {
-    /// `scale` is 1: a plain conversion.
-    Identity,
-    /// `g * inv` in f32 (PyTorch).
-    Mul(f32),
-    /// `g / scale` in f64 (the f32 inverse is not finite).
-    Div(f64),
+fn run_on<S: Elem + Vx>(raw: &[S], out: &mut [f32], u: Unscale, acc: bool) -> bool {
+    unscale_slice(raw, out, u, acc)
 }
 
-impl Unscale {
-    fn new(scale: f32) -> Self {
-        let inv = (1.0f64 / scale as f64) as f32;
-        if inv == 1.0 {
-            Unscale::Identity
-        } else if inv.is_finite() {
-            Unscale::Mul(inv)
-        } else {
-            Unscale::Div(scale as f64)
+/// Unscales `raw` (any float type, contiguous CPU storage) into `out`, or adds it there.
+fn unscale_storage(raw: &CpuStorage, a: usize, b: usize, out: &mut [f32], u: Unscale, acc: bool) -> Option<bool> {
+    Some(match raw {
+        CpuStorage::F32(v) => run_on(&v[a..b], out, u, acc),
+        CpuStorage::F16(v) => run_on(&v[a..b], out, u, acc),
+        CpuStorage::BF16(v) => run_on(&v[a..b], out, u, acc),
+        CpuStorage::F64(v) => {
+            let tmp: Vec<f32> = v[a..b].iter().map(|x| *x as f32).collect();
+            run_on(&tmp, out, u, acc)
         }
-    }
-
-    #[inline(always)]
-    fn apply(self, g: f32) -> f32 {
-        match self {
-            Unscale::Identity => g,
-            Unscale::Mul(inv) => g * inv,
-            Unscale::Div(s) => (g as f64 / s) as f32,
-        }
-    }
-}
-
-fn run<T: Copy>(src: &[T], to_f32: impl Fn(T) -> f32, u: Unscale) -> (Vec<f32>, bool) {
-    let mut bad = false;
-    let out = src
-        .iter()
-        .map(|&x| {
-            let g = to_f32(x);
-            let v = u.apply(g);
-            // The raw value first (PyTorch's order), then the unscaled one.
-            bad |= !g.is_finite() | !v.is_finite();
-            v
-        })
-        .collect();
-    (out, bad)
+        _ => return None,
+    })
 }
 
 /// Unscales one raw gradient into a new, detached f32 tensor and reports whether it held an
@@ -70,13 +46,10 @@ pub(crate) fn unscale_check(raw: &Tensor, scale: f32, check: bool) -> Result<(Te
     let cpu = {
         let (storage, layout) = raw.storage_and_layout();
         match (&*storage, layout.contiguous_offsets()) {
-            (Storage::Cpu(cs), Some((a, b))) => match cs {
-                CpuStorage::F32(v) => Some(run(&v[a..b], |x| x, u)),
-                CpuStorage::F16(v) => Some(run(&v[a..b], |x| x.to_f32(), u)),
-                CpuStorage::BF16(v) => Some(run(&v[a..b], |x| x.to_f32(), u)),
-                CpuStorage::F64(v) => Some(run(&v[a..b], |x| x as f32, u)),
-                _ => None,
-            },
+            (Storage::Cpu(cs), Some((a, b))) => {
+                let mut out = vec![0f32; b - a];
+                unscale_storage(cs, a, b, &mut out, u, false).map(|bad| (out, bad))
+            }
             _ => None,
         }
     };
@@ -92,6 +65,85 @@ pub(crate) fn unscale_check(raw: &Tensor, scale: f32, check: bool) -> Result<(Te
     };
     let bad = check && (nonfinite(&raw)? || nonfinite(&v)?);
     Ok((v, bad))
+}
+
+struct UnscaleInto {
+    u: Unscale,
+    accumulate: bool,
+    bad: std::sync::atomic::AtomicBool,
+}
+
+impl InplaceOp2 for UnscaleInto {
+    fn name(&self) -> &'static str {
+        "amp-unscale-into"
+    }
+
+    fn cpu_fwd(&self, dst: &mut CpuStorage, dl: &Layout, src: &CpuStorage, sl: &Layout) -> candle_core::Result<()> {
+        let msg = || candle_core::Error::Msg("amp-unscale-into: tensors must be contiguous".into());
+        let (sa, sb) = sl.contiguous_offsets().ok_or_else(msg)?;
+        let (da, db) = dl.contiguous_offsets().ok_or_else(msg)?;
+        let CpuStorage::F32(d) = dst else {
+            candle_core::bail!("amp-unscale-into: the destination must be f32")
+        };
+        if sb - sa != db - da {
+            candle_core::bail!("amp-unscale-into: {} values into {}", sb - sa, db - da)
+        }
+        let bad = unscale_storage(src, sa, sb, &mut d[da..db], self.u, self.accumulate)
+            .ok_or_else(|| candle_core::Error::Msg(format!("amp-unscale-into: {:?} gradient", src.dtype())))?;
+        self.bad.store(bad, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// Unscales `raw` into the f32 tensor `acc` in place (or adds it to `acc`'s values with
+/// `accumulate`), in one pass, and returns whether a raw value or a value written is inf or
+/// NaN (see the module documentation for the arithmetic). `acc` must be a contiguous f32 CPU
+/// tensor of the same size that shares no storage with `raw`.
+///
+/// ```
+/// use candle_amp::kernels;
+/// use candle_core::{DType, Device, Tensor};
+/// # fn main() -> candle_amp::Result<()> {
+/// let raw = Tensor::new(&[1024f32, -2048., 4096.], &Device::Cpu)?.to_dtype(DType::F16)?;
+/// let acc = Tensor::zeros(3, DType::F32, &Device::Cpu)?;
+/// assert!(!kernels::unscale_check_into(&raw, 1024.0, &acc, false)?);
+/// assert!(!kernels::unscale_check_into(&raw, 1024.0, &acc, true)?);
+/// assert_eq!(acc.to_vec1::<f32>()?, [2.0, -4.0, 8.0]);
+/// let bad = Tensor::new(&[1f32, f32::NAN, 3.], &Device::Cpu)?;
+/// assert!(kernels::unscale_check_into(&bad, 1.0, &acc, false)?);
+/// # Ok(()) }
+/// ```
+pub fn unscale_check_into(raw: &Tensor, scale: f32, acc: &Tensor, accumulate: bool) -> Result<bool> {
+    if acc.dtype() != DType::F32 || acc.elem_count() != raw.elem_count() {
+        return Err(crate::AmpError::InvalidArgument {
+            argument: "acc",
+            reason: format!(
+                "needs an f32 tensor of {} values, got {:?} {:?}",
+                raw.elem_count(),
+                acc.dtype(),
+                acc.shape()
+            ),
+        });
+    }
+    let u = Unscale::new(scale);
+    if raw.device().is_cpu() && acc.device().is_cpu() {
+        let raw = raw.contiguous()?;
+        let op = UnscaleInto {
+            u,
+            accumulate,
+            bad: std::sync::atomic::AtomicBool::new(false),
+        };
+        acc.inplace_op2(&raw, &op)?;
+        return Ok(op.bad.into_inner());
+    }
+    let (g, bad) = unscale_check(raw, scale, true)?;
+    let v = if accumulate {
+        (acc + g.reshape(acc.shape())?)?
+    } else {
+        g.reshape(acc.shape())?
+    };
+    candle_core::Var::from_tensor(acc)?.set(&v)?;
+    Ok(bad || nonfinite(&v)?)
 }
 
 /// Whether any element is inf or NaN: `t * 0` is NaN exactly there and 0 elsewhere, so its

@@ -39,7 +39,7 @@ pub fn scaled_dot_product_attention(
     } else {
         scores.dtype()
     };
-    let mut scores = (scores.to_dtype(sdt)? * scale)?;
+    let mut scores = (crate::kernels::cast(&scores, sdt)? * scale)?;
     if causal {
         scores = scores.broadcast_add(&causal_mask(t, q.device())?.to_dtype(sdt)?)?;
     }
@@ -50,7 +50,7 @@ pub fn scaled_dot_product_attention(
     let probs = if autocast::is_enabled() {
         probs
     } else {
-        probs.to_dtype(v.dtype())?
+        crate::kernels::cast(&probs, v.dtype())?
     };
     ops::matmul(&probs, v)
 }

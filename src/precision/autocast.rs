@@ -33,7 +33,7 @@ use candle_core::{DType, Tensor, TensorId};
 
 use super::cast_lists::builtin_policy;
 pub use super::cast_lists::{CAST_LISTS, CastPolicy};
-use crate::kernels::fingerprint::fingerprint;
+use crate::kernels::{self, fingerprint::fingerprint};
 
 /// Per-run autocast state: the cast cache, registrations and counters. Owned by an
 /// [`crate::Amp`] handle (or a standalone [`scope`]) and shared with the thread-local policy.
@@ -113,7 +113,7 @@ impl CastContext {
                 self.cache_hits.fetch_add(1, Ordering::Relaxed);
                 return Ok(cached.clone());
             }
-            let out = t.to_dtype(to)?;
+            let out = kernels::cast(t, to)?;
             c.insert((t.id(), to), (print, out.clone()));
             if self.verbosity >= 2 {
                 log::debug!("autocast: cast parameter {:?} {from:?} -> {to:?} (cached)", t.shape());
@@ -123,7 +123,7 @@ impl CastContext {
         if self.verbosity >= 2 {
             log::debug!("autocast: cast {:?} {from:?} -> {to:?}", t.shape());
         }
-        t.to_dtype(to)
+        kernels::cast(t, to)
     }
 
     /// Drops every cached cast (done when a step's `scale_loss` ends).

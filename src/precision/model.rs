@@ -114,7 +114,7 @@ impl<M> AmpModel<M> {
 
 fn cast_float(x: &Tensor, to: Option<DType>) -> candle_core::Result<Tensor> {
     match to {
-        Some(dt) if x.dtype().is_float() && x.dtype() != dt => x.to_dtype(dt),
+        Some(dt) if x.dtype().is_float() && x.dtype() != dt => crate::kernels::cast(x, dt),
         _ => Ok(x.clone()),
     }
 }

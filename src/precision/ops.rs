@@ -14,6 +14,7 @@ pub use candle_core::op::CmpOp;
 use candle_core::{D, DType, Device, Result, Tensor};
 
 use super::autocast::{self, CastPolicy, eligible};
+use crate::kernels;
 
 fn widest(xs: &[&Tensor]) -> Option<DType> {
     let floats: Vec<DType> = xs.iter().map(|t| t.dtype()).filter(|d| eligible(*d)).collect();
@@ -69,7 +70,7 @@ pub fn call(name: &str, xs: &[&Tensor], f: impl FnOnce(&[Tensor]) -> Result<Tens
 
 fn to_f32(t: &Tensor) -> Result<Tensor> {
     if eligible(t.dtype()) {
-        t.to_dtype(DType::F32)
+        kernels::cast(t, DType::F32)
     } else {
         Ok(t.clone())
     }
@@ -78,7 +79,11 @@ fn to_f32(t: &Tensor) -> Result<Tensor> {
 /// The result of an op computed in f32: kept in f32 under an autocast Float policy (`on`),
 /// else returned in the input's type `orig` (f64 and integers were never cast).
 fn back_to(y: Tensor, orig: DType, on: bool) -> Result<Tensor> {
-    if on || !eligible(orig) { Ok(y) } else { y.to_dtype(orig) }
+    if on || !eligible(orig) {
+        Ok(y)
+    } else {
+        kernels::cast(&y, orig)
+    }
 }
 
 /// A Float-list op: computes `f` in f32; the result is f32 under autocast, else `orig`'s type.
@@ -102,46 +107,29 @@ fn promote2(op: &str, a: &Tensor, b: &Tensor, f: impl FnOnce(&Tensor, &Tensor) -
 
 // ---------------------------------------------------------------- half list
 
-/// Matrix product (batched and broadcast like `Tensor::broadcast_matmul`), in half.
+/// Matrix product (batched and broadcast like `Tensor::broadcast_matmul`), in half, through
+/// [`kernels::matmul`] (f32 accumulation; batch entries in parallel).
 pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let (xs, _) = prepare("matmul", &[a, b])?;
-    if xs[0].rank() == xs[1].rank() {
-        xs[0].matmul(&xs[1])
-    } else {
-        xs[0].broadcast_matmul(&xs[1])
-    }
+    kernels::matmul(&xs[0], &xs[1])
 }
 
 /// Batched matrix product (`(b, n, k) x (b, k, m)`), in half.
 pub fn bmm(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let (xs, _) = prepare("bmm", &[a, b])?;
-    xs[0].matmul(&xs[1])
+    kernels::matmul(&xs[0], &xs[1])
 }
 
-/// `x w^T + b` for `x` of rank 2, 3 or 4 (as candle-nn's `Linear`), in half.
+/// `x w^T + b` for `x` of any rank (as candle-nn's `Linear`), in half, as one fused op
+/// ([`kernels::linear`]: one product each for the output and the two gradients, the bias
+/// added and its gradient summed in f32).
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let mut args = vec![x, w];
     if let Some(b) = b {
         args.push(b);
     }
     let (xs, _) = prepare("linear", &args)?;
-    let (x, w) = (&xs[0], &xs[1]);
-    // Leading dimensions are flattened into one 2-d product: candle's CPU matmul runs one
-    // gemm per batch entry, which is slow for many small matrices.
-    let dims = x.dims().to_vec();
-    let y = if dims.len() > 2 {
-        let rows: usize = dims[..dims.len() - 1].iter().product();
-        let y = x.reshape((rows, dims[dims.len() - 1]))?.matmul(&w.t()?)?;
-        let mut out = dims.clone();
-        *out.last_mut().expect("rank > 2") = w.dim(0)?;
-        y.reshape(out)?
-    } else {
-        x.matmul(&w.t()?)?
-    };
-    match xs.get(2) {
-        Some(b) => y.broadcast_add(b),
-        None => Ok(y),
-    }
+    kernels::linear(&xs[0], &xs[1], xs.get(2))
 }
 
 /// candle's CPU backend has no bf16 convolution (its conv2d calls an f32/f16-only gemm):
@@ -269,9 +257,16 @@ pub fn rsqrt(x: &Tensor) -> Result<Tensor> {
     pointwise_op("rsqrt", x, |x| x.sqrt()?.recip())
 }
 
+/// ReLU, in its input's type (on no cast list), as one op with a one-pass backward
+/// ([`kernels::relu`]). Its gradient at `x == 0` is 0, as PyTorch's (candle's `relu`
+/// passes it).
+pub fn relu(x: &Tensor) -> Result<Tensor> {
+    kernels::relu(x)
+}
+
 /// GELU (erf form), in f32 under autocast.
 pub fn gelu(x: &Tensor) -> Result<Tensor> {
-    pointwise_op("gelu", x, |x| x.gelu_erf())
+    pointwise_op("gelu", x, kernels::gelu)
 }
 
 /// Sum over `dim`, kept; accumulated in f32.

@@ -1,11 +1,14 @@
-//! AdamW (decoupled weight decay), in f32, with its moments in our own serialisable state.
+//! AdamW (decoupled weight decay), in f32, fused: one pass per parameter over its f32 value,
+//! gradient and two moments (buffers the optimizer owns), then the half working copy.
 
 use std::collections::BTreeMap;
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
-use super::{GroupHyper, Optimizer, OptimizerState, ParamState, ParamUpdate};
+use super::fused::{self, Slots, Target};
+use super::{GroupHyper, Optimizer, OptimizerState, ParamBuffers, ParamUpdate};
 use crate::error::{AmpError, Result};
+use crate::kernels::slices::{AdamWConsts, AdamWStep, ParamSlice, adamw_param};
 
 /// AdamW settings (candle-nn's and PyTorch's defaults).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -20,6 +23,9 @@ pub struct AdamWConfig {
     pub eps: f64,
     /// Decoupled weight decay (0.01).
     pub weight_decay: f64,
+    /// Run the fused one-pass update on the CPU (`true`, the default); `false` runs the same
+    /// arithmetic as tensor ops (what other devices always do).
+    pub fused: bool,
 }
 
 impl Default for AdamWConfig {
@@ -30,24 +36,22 @@ impl Default for AdamWConfig {
             beta2: 0.999,
             eps: 1e-8,
             weight_decay: 0.01,
+            fused: true,
         }
     }
 }
 
-struct Moments {
-    step: u64,
-    m: Tensor,
-    v: Tensor,
-}
+const BUFS: [&str; 2] = ["exp_avg", "exp_avg_sq"];
 
 /// AdamW. Per parameter, with its own step counter `t` (parameters that got no gradient do
 /// not advance, as in PyTorch):
 /// `m = b1*m + (1-b1)*g`, `v = b2*v + (1-b2)*g^2`,
 /// `p = p*(1 - lr*wd) - lr * (m/(1-b1^t)) / (sqrt(v/(1-b2^t)) + eps)`,
-/// the same operations in the same order as candle-nn's `AdamW`.
+/// the same operations in the same order as candle-nn's `AdamW`, so the fused and the tensor
+/// paths agree with it bit for bit on f32 parameters.
 pub struct AdamW {
     config: AdamWConfig,
-    state: BTreeMap<String, Moments>,
+    state: BTreeMap<String, Slots>,
 }
 
 impl std::fmt::Debug for AdamW {
@@ -78,6 +82,23 @@ impl AdamW {
             state: BTreeMap::new(),
         })
     }
+
+    fn step_consts(&self, hyper: GroupHyper, step: u64) -> AdamWStep {
+        AdamWStep {
+            lr: hyper.lr,
+            beta1: self.config.beta1,
+            beta2: self.config.beta2,
+            eps: self.config.eps,
+            weight_decay: hyper.weight_decay,
+            step,
+        }
+    }
+
+    fn slots(&mut self, p: &ParamUpdate<'_>) -> &mut Slots {
+        self.state
+            .entry(p.name.to_string())
+            .or_insert_with(|| Slots::zeros(p.var.dims(), &BUFS))
+    }
 }
 
 impl Optimizer for AdamW {
@@ -92,46 +113,61 @@ impl Optimizer for AdamW {
         }
     }
 
+    /// The tensor-op path (other devices, or `fused: false`).
     fn update(&mut self, p: &ParamUpdate<'_>) -> Result<Tensor> {
         let c = self.config;
         let theta = p.var.as_tensor();
         let g = p.grad;
-        let st = match self.state.entry(p.name.to_string()) {
-            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::btree_map::Entry::Vacant(e) => e.insert(Moments {
-                step: 0,
-                m: theta.zeros_like()?,
-                v: theta.zeros_like()?,
-            }),
-        };
-        if !st.m.device().same_device(theta.device()) {
-            st.m = st.m.to_device(theta.device())?;
-            st.v = st.v.to_device(theta.device())?;
-        }
-        st.step += 1;
-        let t = st.step as f64;
+        let dev = theta.device().clone();
+        let st = self.slots(p);
+        let m = Tensor::from_slice(&st.bufs[0].1, st.shape.as_slice(), &dev)?;
+        let v = Tensor::from_slice(&st.bufs[1].1, st.shape.as_slice(), &dev)?;
+        let t = (st.step + 1) as f64;
         let (lr, wd) = (p.hyper.lr, p.hyper.weight_decay);
-        let next_m = ((&st.m * c.beta1)? + (g * (1.0 - c.beta1))?)?;
-        let next_v = ((&st.v * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?;
+        let next_m = ((&m * c.beta1)? + (g * (1.0 - c.beta1))?)?;
+        let next_v = ((&v * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?;
         let m_hat = (&next_m * (1.0 / (1.0 - c.beta1.powf(t))))?;
         let v_hat = (&next_v * (1.0 / (1.0 - c.beta2.powf(t))))?;
         let next_theta = (theta * (1f64 - lr * wd))?;
         let adjusted = (m_hat / (v_hat.sqrt()? + c.eps)?)?;
         let next_theta = (next_theta - (adjusted * lr)?)?;
-        // Detached: state must never keep a step's graph alive.
-        st.m = next_m.detach();
-        st.v = next_v.detach();
+        // The state is written only after every value above exists.
+        let (nm, nv) = (
+            next_m.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?,
+            next_v.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?,
+        );
+        let st = self.slots(p);
+        st.bufs[0].1 = nm;
+        st.bufs[1].1 = nv;
+        st.step += 1;
         Ok(next_theta.detach())
+    }
+
+    fn step(&mut self, params: &[ParamUpdate<'_>]) -> Result<()> {
+        if !(self.config.fused && fused::fusable(params)) {
+            return super::default_step(self, params);
+        }
+        for p in params {
+            let hyper = p.hyper;
+            let step = self.slots(p).step + 1;
+            let c = AdamWConsts::new(&self.step_consts(hyper, step));
+            let st = self.slots(p);
+            st.step = step;
+            let (m, rest) = st.bufs.split_at_mut(1);
+            let (m, v) = (&mut m[0].1[..], &mut rest[0].1[..]);
+            fused::apply(p, move |t, g| match t {
+                Target::F32(pv) => adamw_param::<half::f16>(ParamSlice::F32(pv, None), g, m, v, &c),
+                Target::F16(pv) => adamw_param(ParamSlice::Half(pv), g, m, v, &c),
+                Target::Bf16(pv) => adamw_param(ParamSlice::Half(pv), g, m, v, &c),
+            })?;
+        }
+        Ok(())
     }
 
     fn state_dict(&self) -> Result<OptimizerState> {
         let mut params = BTreeMap::new();
         for (name, st) in &self.state {
-            let mut buffers = BTreeMap::new();
-            // The moments are replaced, never written in place, so sharing them is a snapshot.
-            buffers.insert("exp_avg".to_string(), st.m.clone());
-            buffers.insert("exp_avg_sq".to_string(), st.v.clone());
-            params.insert(name.clone(), ParamState { step: st.step, buffers });
+            params.insert(name.clone(), st.to_state()?);
         }
         Ok(OptimizerState {
             kind: self.name().into(),
@@ -139,10 +175,14 @@ impl Optimizer for AdamW {
         })
     }
 
+    fn buffers(&self) -> Result<Vec<ParamBuffers<'_>>> {
+        Ok(super::slot_buffers(&self.state))
+    }
+
     fn check_state(&self, state: &OptimizerState) -> Result<()> {
         state.expect_kind(self.name())?;
         for (name, ps) in &state.params {
-            for k in ["exp_avg", "exp_avg_sq"] {
+            for k in BUFS {
                 if !ps.buffers.contains_key(k) {
                     return Err(AmpError::OptimizerState(format!(
                         "parameter `{name}` has no `{k}` buffer"
@@ -157,19 +197,7 @@ impl Optimizer for AdamW {
         self.check_state(state)?;
         let mut new = BTreeMap::new();
         for (name, ps) in &state.params {
-            let get = |k: &str| {
-                ps.buffers
-                    .get(k)
-                    .ok_or_else(|| AmpError::OptimizerState(format!("parameter `{name}` has no `{k}` buffer")))
-            };
-            new.insert(
-                name.clone(),
-                Moments {
-                    step: ps.step,
-                    m: get("exp_avg")?.to_dtype(candle_core::DType::F32)?.detach(),
-                    v: get("exp_avg_sq")?.to_dtype(candle_core::DType::F32)?.detach(),
-                },
-            );
+            new.insert(name.clone(), Slots::from_state(ps, &BUFS, name)?);
         }
         self.state = new;
         Ok(())

@@ -699,10 +699,19 @@ impl AmpOptimizer {
         self.state_with(self.algo.state_dict()?)
     }
 
-    /// The state with buffers that may be shared with the live algorithm (valid until the
-    /// next step): what a checkpoint streams to disk without a copy.
-    pub(crate) fn state_view(&self) -> Result<AmpOptimizerState> {
-        self.state_with(self.algo.state_view()?)
+    /// Groups and counters, without the algorithm's per-parameter state (see
+    /// [`param_buffers`](Self::param_buffers)).
+    pub(crate) fn state_meta(&self) -> Result<AmpOptimizerState> {
+        self.state_with(OptimizerState {
+            kind: self.algo.name().into(),
+            params: BTreeMap::new(),
+        })
+    }
+
+    /// The algorithm's per-parameter state, borrowed where it owns f32 buffers (valid until
+    /// the next step): what a checkpoint streams to disk without a copy.
+    pub(crate) fn param_buffers(&self) -> Result<Vec<super::ParamBuffers<'_>>> {
+        self.algo.buffers()
     }
 
     fn state_with(&self, algorithm: OptimizerState) -> Result<AmpOptimizerState> {

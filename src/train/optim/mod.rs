@@ -9,6 +9,7 @@
 mod adamw;
 mod amp_optimizer;
 mod candle_adapter;
+pub(crate) mod fused;
 mod sgd;
 mod state;
 
@@ -20,9 +21,76 @@ pub use sgd::{Sgd, SgdConfig};
 pub(crate) use state::same_values;
 pub use state::{OptimizerState, ParamState, TensorData};
 
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+
 use candle_core::{Tensor, Var};
 
 use crate::error::Result;
+
+/// One parameter's state as f32 values, borrowed where the algorithm owns them (what a
+/// checkpoint writes without a copy).
+#[derive(Debug)]
+pub struct ParamBuffers<'a> {
+    /// The parameter's name.
+    pub param: String,
+    /// Steps applied to the parameter.
+    pub step: u64,
+    /// The buffers' shape (the parameter's).
+    pub shape: Vec<usize>,
+    /// Each buffer's name ("exp_avg", ...) and values, row-major.
+    pub buffers: Vec<(String, Cow<'a, [f32]>)>,
+}
+
+/// The buffers of owned per-parameter slots, borrowed.
+pub(crate) fn slot_buffers(state: &BTreeMap<String, fused::Slots>) -> Vec<ParamBuffers<'_>> {
+    state
+        .iter()
+        .map(|(param, st)| ParamBuffers {
+            param: param.clone(),
+            step: st.step,
+            shape: st.shape.clone(),
+            buffers: st
+                .bufs
+                .iter()
+                .map(|(k, v)| (k.to_string(), Cow::Borrowed(&v[..])))
+                .collect(),
+        })
+        .collect()
+}
+
+/// The default [`Optimizer::step`]: every new value (and its cast to the working type)
+/// computed with [`Optimizer::update`] first, shapes and types checked, then all written.
+pub fn default_step<O: Optimizer + ?Sized>(opt: &mut O, params: &[ParamUpdate<'_>]) -> Result<()> {
+    let mut new = Vec::with_capacity(params.len());
+    for p in params {
+        let v = opt.update(p)?;
+        if v.dims() != p.var.dims() || v.dtype() != p.var.dtype() {
+            return Err(crate::error::AmpError::OptimizerState(format!(
+                "the {} update of `{}` has shape {:?} and type {:?}, the parameter {:?} and {:?}",
+                opt.name(),
+                p.name,
+                v.dims(),
+                v.dtype(),
+                p.var.dims(),
+                p.var.dtype()
+            )));
+        }
+        let w = match p.working {
+            Some(w) => Some(crate::kernels::cast(&v, w.dtype())?),
+            None => None,
+        };
+        new.push((v, w));
+    }
+    // Every value exists and fits: the writes below cannot fail part-way.
+    for (p, (v, w)) in params.iter().zip(new) {
+        p.var.set(&v)?;
+        if let (Some(wv), Some(w)) = (p.working, w) {
+            wv.set(&w)?;
+        }
+    }
+    Ok(())
+}
 
 /// Hyper-parameters that vary per parameter group.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -75,34 +143,7 @@ pub trait Optimizer: Send {
     /// [`update`](Optimizer::update) first, checks shapes and types, then writes them all;
     /// an override must keep the same contract.
     fn step(&mut self, params: &[ParamUpdate<'_>]) -> Result<()> {
-        let mut new = Vec::with_capacity(params.len());
-        for p in params {
-            let v = self.update(p)?;
-            if v.dims() != p.var.dims() || v.dtype() != p.var.dtype() {
-                return Err(crate::error::AmpError::OptimizerState(format!(
-                    "the {} update of `{}` has shape {:?} and type {:?}, the parameter {:?} and {:?}",
-                    self.name(),
-                    p.name,
-                    v.dims(),
-                    v.dtype(),
-                    p.var.dims(),
-                    p.var.dtype()
-                )));
-            }
-            let w = match p.working {
-                Some(w) => Some(v.to_dtype(w.dtype())?),
-                None => None,
-            };
-            new.push((v, w));
-        }
-        // Every value exists and fits: the writes below cannot fail part-way.
-        for (p, (v, w)) in params.iter().zip(new) {
-            p.var.set(&v)?;
-            if let (Some(wv), Some(w)) = (p.working, w) {
-                wv.set(&w)?;
-            }
-        }
-        Ok(())
+        default_step(self, params)
     }
 
     /// The algorithm's state (moments, step counters), for checkpoints: a snapshot that
@@ -115,6 +156,31 @@ pub trait Optimizer: Send {
     /// [`state_dict`](Optimizer::state_dict).
     fn state_view(&self) -> Result<OptimizerState> {
         self.state_dict()
+    }
+
+    /// Every parameter's state as f32 values, for a checkpoint writer: borrowed where the
+    /// algorithm owns them (no copy), valid until the next step. The default copies them out
+    /// of [`state_view`](Optimizer::state_view).
+    fn buffers(&self) -> Result<Vec<ParamBuffers<'_>>> {
+        let mut out = Vec::new();
+        for (param, ps) in self.state_view()?.params {
+            let mut shape = Vec::new();
+            let mut buffers = Vec::new();
+            for (name, t) in ps.buffers {
+                shape = t.dims().to_vec();
+                buffers.push((
+                    name,
+                    Cow::Owned(t.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?),
+                ));
+            }
+            out.push(ParamBuffers {
+                param,
+                step: ps.step,
+                shape,
+                buffers,
+            });
+        }
+        Ok(out)
     }
 
     /// Restores state produced by [`state_dict`](Optimizer::state_dict).

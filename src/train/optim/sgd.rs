@@ -1,12 +1,15 @@
 //! Stochastic gradient descent with momentum, Nesterov momentum and weight decay
-//! (PyTorch's `torch.optim.SGD` update rule), in f32.
+//! (PyTorch's `torch.optim.SGD` update rule), in f32, fused: one pass per parameter over its
+//! f32 value, gradient and momentum buffer (owned by the optimizer), then the half copy.
 
 use std::collections::BTreeMap;
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
-use super::{GroupHyper, Optimizer, OptimizerState, ParamState, ParamUpdate};
+use super::fused::{self, Slots, Target};
+use super::{GroupHyper, Optimizer, OptimizerState, ParamBuffers, ParamUpdate};
 use crate::error::{AmpError, Result};
+use crate::kernels::slices::{ParamSlice, SgdConsts, sgd_param};
 
 /// SGD settings.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -21,6 +24,9 @@ pub struct SgdConfig {
     pub weight_decay: f64,
     /// Nesterov momentum (needs momentum > 0 and dampening 0).
     pub nesterov: bool,
+    /// Run the fused one-pass update on the CPU (`true`, the default); `false` runs the same
+    /// arithmetic as tensor ops (what other devices always do).
+    pub fused: bool,
 }
 
 impl SgdConfig {
@@ -32,18 +38,21 @@ impl SgdConfig {
             dampening: 0.0,
             weight_decay: 0.0,
             nesterov: false,
+            fused: true,
         }
     }
 }
 
+const BUF: [&str; 1] = ["momentum_buffer"];
+
 /// SGD. For each parameter `p` with gradient `g`:
 /// `d = g + wd*p`; with momentum `buf = momentum*buf + (1-dampening)*d` (`buf = d` at the
-/// first step) and `d = g + momentum*buf` (Nesterov, with `g` here meaning `d`) or `d = buf`;
-/// then `p -= lr*d`.
+/// first step) and `d = d + momentum*buf` (Nesterov) or `d = buf`; then `p -= lr*d`.
 #[derive(Debug, Clone)]
 pub struct Sgd {
     config: SgdConfig,
-    state: BTreeMap<String, (u64, Option<Tensor>)>,
+    /// Per parameter: steps, and the momentum buffer when momentum is on.
+    state: BTreeMap<String, Slots>,
 }
 
 impl Sgd {
@@ -65,6 +74,34 @@ impl Sgd {
             state: BTreeMap::new(),
         })
     }
+
+    /// The parameter's slots, and whether its momentum buffer starts now (PyTorch: a missing
+    /// buffer starts as the step's direction). The buffer exists only with momentum.
+    fn slots(&mut self, p: &ParamUpdate<'_>) -> (&mut Slots, bool) {
+        let momentum = self.config.momentum != 0.0;
+        let st = self
+            .state
+            .entry(p.name.to_string())
+            .or_insert_with(|| Slots::zeros(p.var.dims(), &[]));
+        let first = st.bufs.is_empty();
+        if momentum && first {
+            st.shape = p.var.dims().to_vec();
+            st.bufs.push((BUF[0], vec![0f32; p.var.elem_count()]));
+        }
+        (st, first)
+    }
+
+    fn consts(&self, hyper: GroupHyper, first: bool) -> SgdConsts {
+        let c = self.config;
+        SgdConsts {
+            lr: hyper.lr as f32,
+            weight_decay: hyper.weight_decay as f32,
+            momentum: c.momentum as f32,
+            one_minus_dampening: (1.0 - c.dampening) as f32,
+            nesterov: c.nesterov,
+            first,
+        }
+    }
 }
 
 impl Optimizer for Sgd {
@@ -79,36 +116,65 @@ impl Optimizer for Sgd {
         }
     }
 
+    /// The tensor-op path (other devices, or `fused: false`).
     fn update(&mut self, p: &ParamUpdate<'_>) -> Result<Tensor> {
         let c = self.config;
         let param = p.var.as_tensor();
+        let dev = param.device().clone();
         let mut d = p.grad.clone();
         if p.hyper.weight_decay != 0.0 {
             d = (d + (param * p.hyper.weight_decay)?)?;
         }
-        let entry = self.state.entry(p.name.to_string()).or_insert((0, None));
-        entry.0 += 1;
+        let (st, first) = self.slots(p);
+        let mut new_buf = None;
         if c.momentum != 0.0 {
-            let buf = match &entry.1 {
-                None => d.clone(),
-                Some(b) => ((b.to_device(param.device())? * c.momentum)? + (&d * (1.0 - c.dampening))?)?,
+            let buf = if first {
+                d.clone()
+            } else {
+                let b = Tensor::from_slice(&st.bufs[0].1, st.shape.as_slice(), &dev)?;
+                ((b * c.momentum)? + (&d * (1.0 - c.dampening))?)?
             };
-            // Detached: state must never keep a step's graph alive.
-            entry.1 = Some(buf.detach());
-            d = if c.nesterov { (d + (buf * c.momentum)?)? } else { buf };
+            d = if c.nesterov {
+                (d + (&buf * c.momentum)?)?
+            } else {
+                buf.clone()
+            };
+            new_buf = Some(buf.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
         }
-        Ok(param.sub(&(d * p.hyper.lr)?)?.detach())
+        let next = param.sub(&(d * p.hyper.lr)?)?.detach();
+        // The state is written only after every value above exists.
+        let (st, _) = self.slots(p);
+        if let Some(b) = new_buf {
+            st.bufs[0].1 = b;
+        }
+        st.step += 1;
+        Ok(next)
+    }
+
+    fn step(&mut self, params: &[ParamUpdate<'_>]) -> Result<()> {
+        if !(self.config.fused && fused::fusable(params)) {
+            return super::default_step(self, params);
+        }
+        for p in params {
+            let hyper = p.hyper;
+            let first = self.slots(p).1;
+            let c = self.consts(hyper, first);
+            let (st, _) = self.slots(p);
+            st.step += 1;
+            let buf = st.bufs.first_mut().map(|(_, b)| &mut b[..]);
+            fused::apply(p, move |t, g| match t {
+                Target::F32(pv) => sgd_param::<half::f16>(ParamSlice::F32(pv, None), g, buf, &c),
+                Target::F16(pv) => sgd_param(ParamSlice::Half(pv), g, buf, &c),
+                Target::Bf16(pv) => sgd_param(ParamSlice::Half(pv), g, buf, &c),
+            })?;
+        }
+        Ok(())
     }
 
     fn state_dict(&self) -> Result<OptimizerState> {
         let mut params = BTreeMap::new();
-        for (name, (step, buf)) in &self.state {
-            let mut buffers = BTreeMap::new();
-            if let Some(b) = buf {
-                // Replaced, never written in place: sharing it is a snapshot.
-                buffers.insert("momentum_buffer".to_string(), b.clone());
-            }
-            params.insert(name.clone(), ParamState { step: *step, buffers });
+        for (name, st) in &self.state {
+            params.insert(name.clone(), st.to_state()?);
         }
         Ok(OptimizerState {
             kind: self.name().into(),
@@ -116,15 +182,18 @@ impl Optimizer for Sgd {
         })
     }
 
+    fn buffers(&self) -> Result<Vec<ParamBuffers<'_>>> {
+        Ok(super::slot_buffers(&self.state))
+    }
+
     fn load_state_dict(&mut self, state: &OptimizerState) -> Result<()> {
         state.expect_kind(self.name())?;
         let mut new = BTreeMap::new();
         for (name, ps) in &state.params {
-            let buf = match ps.buffers.get("momentum_buffer") {
-                Some(b) => Some(b.to_dtype(candle_core::DType::F32)?.detach()),
-                None => None,
-            };
-            new.insert(name.clone(), (ps.step, buf));
+            // Saved without momentum the buffer is absent, and starts afresh at the next step
+            // (PyTorch's rule for a missing buffer).
+            let names: &[&'static str] = if ps.buffers.contains_key(BUF[0]) { &BUF } else { &[] };
+            new.insert(name.clone(), Slots::from_state(ps, names, name)?);
         }
         self.state = new;
         Ok(())

@@ -1,0 +1,427 @@
+//! Matrix products as candle custom ops with their own backward, over [`super::gemm`]:
+//! a batched `matmul` (one product per batch entry, entries split over the rayon pool) and a
+//! fused `linear` (`x w^T + b` in one op: one product each for the output, the input
+//! gradient and the weight gradient, transposes as strides instead of copies, the bias added
+//! and its gradient summed in f32). Inputs of one op share a type (f32, f16 or bf16); products
+//! accumulate in f32 and results are rounded once to that type.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+use super::gemm::GemmElem;
+use super::mat::Mat;
+use super::simd::Elem;
+use super::slices::convert;
+
+/// A strided matrix stack: the last two dims of a layout, batch dims flattened.
+#[derive(Clone)]
+struct Stack {
+    rows: usize,
+    cols: usize,
+    rs: usize,
+    cs: usize,
+    /// Offset of each batch entry's (0, 0) element.
+    offsets: Vec<usize>,
+}
+
+impl Stack {
+    fn of(l: &Layout, transpose: bool) -> Result<Self> {
+        let dims = l.dims();
+        let st = l.stride();
+        let r = dims.len();
+        if r < 2 {
+            candle_core::bail!("matmul: operands need rank >= 2, got {dims:?}")
+        }
+        let batch: usize = dims[..r - 2].iter().product();
+        let mut offsets = Vec::with_capacity(batch);
+        for bi in 0..batch {
+            let mut rem = bi;
+            let mut off = l.start_offset();
+            for d in (0..r - 2).rev() {
+                off += (rem % dims[d]) * st[d];
+                rem /= dims[d];
+            }
+            offsets.push(off);
+        }
+        let (rows, cols, rs, cs) = (dims[r - 2], dims[r - 1], st[r - 2], st[r - 1]);
+        Ok(if transpose {
+            Stack {
+                rows: cols,
+                cols: rows,
+                rs: cs,
+                cs: rs,
+                offsets,
+            }
+        } else {
+            Stack {
+                rows,
+                cols,
+                rs,
+                cs,
+                offsets,
+            }
+        })
+    }
+
+    fn mat<'a, T>(&self, data: &'a [T], i: usize) -> Mat<'a, T> {
+        Mat {
+            data,
+            off: self.offsets[i],
+            rs: self.rs,
+            cs: self.cs,
+        }
+    }
+}
+
+/// The f32 products `out[b] = a[b] . b[b]` (m x n each, contiguous), batch entries over the
+/// rayon pool.
+fn products<T: GemmElem>(a: &[T], sa: &Stack, b: &[T], sb: &Stack, out: &mut [f32]) {
+    let (m, k, n) = (sa.rows, sa.cols, sb.cols);
+    let run = |(i, o): (usize, &mut [f32])| T::gemm(m, n, k, sa.mat(a, i), sb.mat(b, i), o, n, false);
+    if sa.offsets.len() > 1 && rayon::current_num_threads() > 1 {
+        out.par_chunks_mut(m * n).enumerate().for_each(run);
+    } else {
+        out.chunks_mut(m * n).enumerate().for_each(run);
+    }
+}
+
+/// `f32` values as a storage of `dt`.
+fn storage_of(v: Vec<f32>, dt: DType) -> Result<CpuStorage> {
+    Ok(match dt {
+        DType::F32 => CpuStorage::F32(v),
+        DType::F16 => {
+            let mut d = vec![f16::ZERO; v.len()];
+            convert(&v, &mut d);
+            CpuStorage::F16(d)
+        }
+        DType::BF16 => {
+            let mut d = vec![bf16::ZERO; v.len()];
+            convert(&v, &mut d);
+            CpuStorage::BF16(d)
+        }
+        other => candle_core::bail!("matmul: unsupported type {other:?}"),
+    })
+}
+
+fn supported(dt: DType) -> bool {
+    matches!(dt, DType::F32 | DType::F16 | DType::BF16)
+}
+
+/// Batched `op(a) . op(b)`, where `op` transposes the last two dims when asked.
+struct Bmm {
+    ta: bool,
+    tb: bool,
+}
+
+impl CustomOp2 for Bmm {
+    fn name(&self) -> &'static str {
+        "amp-matmul"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (sa, sb) = (Stack::of(l1, self.ta)?, Stack::of(l2, self.tb)?);
+        if sa.cols != sb.rows || sa.offsets.len() != sb.offsets.len() {
+            candle_core::bail!("amp-matmul: shapes {:?} and {:?} do not multiply", l1.dims(), l2.dims())
+        }
+        let batch = sa.offsets.len();
+        let mut out = vec![0f32; batch * sa.rows * sb.cols];
+        match (s1, s2) {
+            (CpuStorage::F32(a), CpuStorage::F32(b)) => products(a, &sa, b, &sb, &mut out),
+            (CpuStorage::F16(a), CpuStorage::F16(b)) => products(a, &sa, b, &sb, &mut out),
+            (CpuStorage::BF16(a), CpuStorage::BF16(b)) => products(a, &sa, b, &sb, &mut out),
+            _ => candle_core::bail!("amp-matmul: {:?} x {:?}", s1.dtype(), s2.dtype()),
+        }
+        let mut dims = l1.dims()[..l1.dims().len() - 2].to_vec();
+        dims.extend([sa.rows, sb.cols]);
+        Ok((storage_of(out, s1.dtype())?, Shape::from(dims)))
+    }
+
+    fn bwd(&self, a: &Tensor, b: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        // out = op(a) . op(b); d op(a) = g . op(b)^T, d op(b) = op(a)^T . g.
+        let ga = a.track_op().then(|| {
+            if self.ta {
+                bmm(b, g, self.tb, true)
+            } else {
+                bmm(g, b, false, !self.tb)
+            }
+        });
+        let gb = b.track_op().then(|| {
+            if self.tb {
+                bmm(g, a, true, self.ta)
+            } else {
+                bmm(a, g, !self.ta, false)
+            }
+        });
+        Ok((ga.transpose()?, gb.transpose()?))
+    }
+}
+
+/// `op(a) . op(b)` without a backward.
+fn bmm(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Tensor> {
+    a.apply_op2_no_bwd(b, &Bmm { ta, tb })
+}
+
+/// The matrix product of the last two dims, batched over the others (which must be equal or
+/// broadcastable), differentiable. f32, f16 and bf16 on the CPU run through the library's
+/// product (f32 accumulation; bf16 on AMX tiles or AVX-512 BF16 dot products where the CPU
+/// has them, see [`Isa`](super::Isa)); other types and devices use candle's `matmul`.
+///
+/// ```
+/// use candle_amp::kernels;
+/// use candle_core::{DType, Device, Tensor};
+/// # fn main() -> candle_core::Result<()> {
+/// let a = Tensor::arange(0f32, 6., &Device::Cpu)?.reshape((2, 3))?.to_dtype(DType::BF16)?;
+/// let b = Tensor::ones((3, 2), DType::BF16, &Device::Cpu)?;
+/// let c = kernels::matmul(&a, &b)?;
+/// assert_eq!(c.dtype(), DType::BF16);
+/// assert_eq!(c.to_dtype(DType::F32)?.to_vec2::<f32>()?, [[3.0, 3.0], [12.0, 12.0]]);
+/// # Ok(()) }
+/// ```
+pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let cpu = a.device().is_cpu() && b.device().is_cpu();
+    if !(cpu && a.dtype() == b.dtype() && supported(a.dtype()) && a.rank() >= 2 && b.rank() >= 2) {
+        return if a.rank() == b.rank() {
+            a.matmul(b)
+        } else {
+            a.broadcast_matmul(b)
+        };
+    }
+    // Equal batch dims: broadcast them (a stride-0 view, no copy).
+    let (ra, rb) = (a.rank(), b.rank());
+    let (ba, bb) = (&a.dims()[..ra - 2], &b.dims()[..rb - 2]);
+    let (a, b) = if ba == bb {
+        (a.clone(), b.clone())
+    } else {
+        let batch = Shape::from(ba).broadcast_shape_binary_op(&Shape::from(bb), "matmul")?;
+        let mut da = batch.dims().to_vec();
+        da.extend(&a.dims()[ra - 2..]);
+        let mut db = batch.dims().to_vec();
+        db.extend(&b.dims()[rb - 2..]);
+        (a.broadcast_as(da)?, b.broadcast_as(db)?)
+    };
+    if a.track_op() || b.track_op() {
+        a.apply_op2(&b, Bmm { ta: false, tb: false })
+    } else {
+        bmm(&a, &b, false, false)
+    }
+}
+
+/// `x w^T + b` in one op.
+struct Linear;
+
+/// Rows of `x` (all dims but the last, flattened; `x` contiguous), `w` (n x k) as the
+/// transposed right operand.
+fn linear_fwd<T: GemmElem>(x: &[T], xl: &Layout, w: &[T], wl: &Layout, bias: Option<Vec<f32>>) -> Result<Vec<f32>> {
+    let (xa, xb) = xl
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("amp-linear: x must be contiguous".into()))?;
+    let k = *xl.dims().last().unwrap_or(&0);
+    let m = (xb - xa).checked_div(k).unwrap_or(0);
+    let ws = Stack::of(wl, true)?; // w^T: k x n
+    if ws.rows != k {
+        candle_core::bail!("amp-linear: x {:?} and weight {:?} do not match", xl.dims(), wl.dims())
+    }
+    let n = ws.cols;
+    let mut out = vec![0f32; m * n];
+    if let Some(b) = &bias {
+        for row in out.chunks_mut(n) {
+            row.copy_from_slice(b);
+        }
+    }
+    let xm = Mat {
+        data: x,
+        off: xa,
+        rs: k,
+        cs: 1,
+    };
+    if m > 0 && n > 0 {
+        T::gemm(m, n, k, xm, ws.mat(w, 0), &mut out, n, bias.is_some());
+    }
+    Ok(out)
+}
+
+/// A bias as f32 values.
+fn f32_of(s: &CpuStorage, l: &Layout) -> Result<Vec<f32>> {
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("amp-linear: the bias must be contiguous".into()))?;
+    let mut out = vec![0f32; b - a];
+    match s {
+        CpuStorage::F32(v) => out.copy_from_slice(&v[a..b]),
+        CpuStorage::F16(v) => convert(&v[a..b], &mut out),
+        CpuStorage::BF16(v) => convert(&v[a..b], &mut out),
+        other => candle_core::bail!("amp-linear: {:?} bias", other.dtype()),
+    }
+    Ok(out)
+}
+
+fn linear_shape(xl: &Layout, wl: &Layout) -> Shape {
+    let mut dims = xl.dims().to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last = wl.dims()[0];
+    }
+    Shape::from(dims)
+}
+
+fn linear_cpu(
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+    bias: Option<Vec<f32>>,
+) -> Result<(CpuStorage, Shape)> {
+    if l2.dims().len() != 2 {
+        candle_core::bail!("amp-linear: the weight must be 2-d, got {:?}", l2.dims())
+    }
+    let out = match (s1, s2) {
+        (CpuStorage::F32(x), CpuStorage::F32(w)) => linear_fwd(x, l1, w, l2, bias)?,
+        (CpuStorage::F16(x), CpuStorage::F16(w)) => linear_fwd(x, l1, w, l2, bias)?,
+        (CpuStorage::BF16(x), CpuStorage::BF16(w)) => linear_fwd(x, l1, w, l2, bias)?,
+        _ => candle_core::bail!("amp-linear: {:?} x {:?}", s1.dtype(), s2.dtype()),
+    };
+    Ok((storage_of(out, s1.dtype())?, linear_shape(l1, l2)))
+}
+
+/// The column sums of `g` (rows of length n), in f32.
+fn column_sums<T: Elem + super::slices::Vx>(g: &[T], n: usize) -> Vec<f32> {
+    let mut sum = vec![0f32; n];
+    let mut row = vec![0f32; n];
+    for r in g.chunks(n) {
+        convert(r, &mut row);
+        for (s, v) in sum.iter_mut().zip(&row) {
+            *s += v;
+        }
+    }
+    sum
+}
+
+/// Gradients of `x w^T (+ b)` for `x` (rows m x k), `w` (n x k), given `g` (m x n).
+fn linear_bwd(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    g: &Tensor,
+) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    let k = w.dim(1)?;
+    let n = w.dim(0)?;
+    let g = g.contiguous()?;
+    let g2 = g.reshape(((), n))?;
+    // dx = g . w (m x n . n x k); dw = g^T . x (n x m . m x k); db = column sums of g.
+    let gx = if x.track_op() {
+        Some(bmm(&g2, w, false, false)?.reshape(x.shape())?)
+    } else {
+        None
+    };
+    let gw = if w.track_op() {
+        let x2 = x.contiguous()?.reshape(((), k))?;
+        Some(bmm(&g2, &x2, true, false)?)
+    } else {
+        None
+    };
+    let gb = match b {
+        Some(b) if b.track_op() => {
+            let (s, l) = g2.storage_and_layout();
+            let (a, e) = l
+                .contiguous_offsets()
+                .ok_or_else(|| candle_core::Error::Msg("amp-linear: gradient layout".into()))?;
+            let sums = match &*s {
+                candle_core::Storage::Cpu(CpuStorage::F32(v)) => column_sums(&v[a..e], n),
+                candle_core::Storage::Cpu(CpuStorage::F16(v)) => column_sums(&v[a..e], n),
+                candle_core::Storage::Cpu(CpuStorage::BF16(v)) => column_sums(&v[a..e], n),
+                _ => candle_core::bail!("amp-linear: gradient storage"),
+            };
+            drop(s);
+            Some(super::cast::cast(&Tensor::from_vec(sums, n, b.device())?, b.dtype())?)
+        }
+        _ => None,
+    };
+    Ok((gx, gw, gb))
+}
+
+impl CustomOp2 for Linear {
+    fn name(&self) -> &'static str {
+        "amp-linear"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        linear_cpu(s1, l1, s2, l2, None)
+    }
+
+    fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (gx, gw, _) = linear_bwd(x, w, None, g)?;
+        Ok((gx, gw))
+    }
+}
+
+impl CustomOp3 for Linear {
+    fn name(&self) -> &'static str {
+        "amp-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        if l3.dims() != [l2.dims()[0]] {
+            candle_core::bail!("amp-linear: bias {:?} for weight {:?}", l3.dims(), l2.dims())
+        }
+        linear_cpu(s1, l1, s2, l2, Some(f32_of(s3, l3)?))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        linear_bwd(x, w, Some(b), g)
+    }
+}
+
+/// `x w^T + b` for `x` of any rank >= 1 (the last dim is the features), as one differentiable
+/// op (candle-nn's `Linear` is three: a transpose, a matmul and a broadcast add, each with
+/// its own gradient to accumulate). `x`, `w` and `b` share one type; f32, f16 and bf16 on
+/// the CPU run through the library's product, others through candle's ops.
+///
+/// ```
+/// use candle_amp::kernels;
+/// use candle_core::{DType, Device, Tensor, Var};
+/// # fn main() -> candle_core::Result<()> {
+/// let x = Var::new(&[[1f32, 2.], [3., 4.]], &Device::Cpu)?;
+/// let w = Var::new(&[[1f32, 0.], [1., 1.], [0., 2.]], &Device::Cpu)?;
+/// let b = Var::new(&[0.5f32, 0., -1.], &Device::Cpu)?;
+/// let y = kernels::linear(&x, &w, Some(&b))?;
+/// assert_eq!(y.to_vec2::<f32>()?, [[1.5, 3.0, 3.0], [3.5, 7.0, 7.0]]);
+/// let g = y.sum_all()?.backward()?;
+/// assert_eq!(g.get(&b).unwrap().to_vec1::<f32>()?, [2.0, 2.0, 2.0]);
+/// assert_eq!(g.get(&w).unwrap().to_vec2::<f32>()?, [[4.0, 6.0], [4.0, 6.0], [4.0, 6.0]]);
+/// # Ok(()) }
+/// ```
+pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let same = x.dtype() == w.dtype() && b.is_none_or(|b| b.dtype() == x.dtype());
+    let cpu = x.device().is_cpu() && w.device().is_cpu() && b.is_none_or(|b| b.device().is_cpu());
+    if !(same && cpu && supported(x.dtype()) && x.rank() >= 1 && w.rank() == 2) {
+        let y = x.broadcast_matmul(&w.t()?)?;
+        return match b {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        };
+    }
+    let x = x.contiguous()?;
+    let grad = x.track_op() || w.track_op() || b.is_some_and(|b| b.track_op());
+    match (b, grad) {
+        (Some(b), true) => x.apply_op3(w, b, Linear),
+        (Some(b), false) => x.apply_op3_no_bwd(w, b, &Linear),
+        (None, true) => x.apply_op2(w, Linear),
+        (None, false) => x.apply_op2_no_bwd(w, &Linear),
+    }
+}

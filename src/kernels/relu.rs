@@ -1,0 +1,157 @@
+//! ReLU as one op with a one-pass backward. candle's `relu` backward is three ops over the
+//! tensor (compare, cast of the mask, multiply), and its half-precision compare is scalar.
+//! Here the forward keeps `max(x, 0)` (NaN stays NaN) and the backward passes the gradient
+//! where the output is positive, on the bit patterns of the tensor's own type.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+const CHUNK: usize = 1 << 16;
+
+/// Values as their bits, with the sign bit and the "positive non-zero" test for each type.
+trait Bits: Copy + Send + Sync {
+    /// Whether the value is > 0 (false for NaN, zeros and negatives).
+    fn positive(self) -> bool;
+    /// `max(self, 0)`, NaN kept.
+    fn relu(self) -> Self;
+    const ZERO: Self;
+}
+
+impl Bits for f32 {
+    #[inline(always)]
+    fn positive(self) -> bool {
+        self > 0.0
+    }
+    #[inline(always)]
+    fn relu(self) -> Self {
+        if self < 0.0 { 0.0 } else { self }
+    }
+    const ZERO: Self = 0.0;
+}
+
+/// Half types on their bits (no conversion): `inf` is the largest magnitude that is not NaN.
+macro_rules! half_bits {
+    ($t:ty, $inf:expr) => {
+        impl Bits for $t {
+            #[inline(always)]
+            fn positive(self) -> bool {
+                let b = self.to_bits();
+                b & 0x8000 == 0 && b != 0 && b <= $inf
+            }
+            #[inline(always)]
+            fn relu(self) -> Self {
+                let b = self.to_bits();
+                // Negative (or -0) and not NaN.
+                if b & 0x8000 != 0 && b & 0x7FFF <= $inf {
+                    Self::ZERO
+                } else {
+                    self
+                }
+            }
+            const ZERO: Self = <$t>::ZERO;
+        }
+    };
+}
+
+half_bits!(f16, 0x7C00);
+half_bits!(bf16, 0x7F80);
+
+fn par<T: Send + Sync, U: Send>(src: &[T], f: impl Fn(&T) -> U + Sync + Send) -> Vec<U> {
+    if src.len() > 2 * CHUNK && rayon::current_num_threads() > 1 {
+        src.par_chunks(CHUNK).flat_map_iter(|c| c.iter().map(&f)).collect()
+    } else {
+        src.iter().map(f).collect()
+    }
+}
+
+fn contiguous(l: &Layout) -> Result<(usize, usize)> {
+    l.contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("amp-relu: tensors must be contiguous".into()))
+}
+
+struct Relu;
+
+impl CustomOp1 for Relu {
+    fn name(&self) -> &'static str {
+        "amp-relu"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (a, b) = contiguous(l)?;
+        let out = match s {
+            CpuStorage::F32(v) => CpuStorage::F32(par(&v[a..b], |x| x.relu())),
+            CpuStorage::F16(v) => CpuStorage::F16(par(&v[a..b], |x| x.relu())),
+            CpuStorage::BF16(v) => CpuStorage::BF16(par(&v[a..b], |x| x.relu())),
+            other => candle_core::bail!("amp-relu: {:?}", other.dtype()),
+        };
+        Ok((out, l.shape().clone()))
+    }
+
+    fn bwd(&self, _arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let grad = grad.contiguous()?;
+        Ok(Some(res.apply_op2_no_bwd(&grad, &ReluGrad)?))
+    }
+}
+
+/// `grad` where `y > 0`, else 0.
+struct ReluGrad;
+
+fn masked<T: Bits>(y: &[T], g: &[T]) -> Vec<T> {
+    let f = |(yv, gv): (&T, &T)| if yv.positive() { *gv } else { T::ZERO };
+    if y.len() > 2 * CHUNK && rayon::current_num_threads() > 1 {
+        y.par_chunks(CHUNK)
+            .zip(g.par_chunks(CHUNK))
+            .flat_map_iter(|(a, b)| a.iter().zip(b).map(f))
+            .collect()
+    } else {
+        y.iter().zip(g).map(f).collect()
+    }
+}
+
+impl CustomOp2 for ReluGrad {
+    fn name(&self) -> &'static str {
+        "amp-relu-grad"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let ((a, b), (c, d)) = (contiguous(l1)?, contiguous(l2)?);
+        let out = match (s1, s2) {
+            (CpuStorage::F32(y), CpuStorage::F32(g)) => CpuStorage::F32(masked(&y[a..b], &g[c..d])),
+            (CpuStorage::F16(y), CpuStorage::F16(g)) => CpuStorage::F16(masked(&y[a..b], &g[c..d])),
+            (CpuStorage::BF16(y), CpuStorage::BF16(g)) => CpuStorage::BF16(masked(&y[a..b], &g[c..d])),
+            _ => candle_core::bail!("amp-relu-grad: {:?} and {:?}", s1.dtype(), s2.dtype()),
+        };
+        Ok((out, l1.shape().clone()))
+    }
+}
+
+/// `max(x, 0)`, differentiable, as one op with a one-pass backward (f32, f16 and bf16 on the
+/// CPU; candle's `relu` elsewhere). Its gradient is the incoming gradient where the output
+/// is positive and 0 elsewhere, as PyTorch's (`threshold_backward`): at `x == 0` the
+/// gradient is 0. candle's own `relu` passes the gradient at `x >= 0`, so the two differ
+/// exactly at zeros (and off the CPU, where this falls back to candle's).
+///
+/// ```
+/// use candle_amp::kernels;
+/// use candle_core::{Device, Var};
+/// # fn main() -> candle_core::Result<()> {
+/// let x = Var::new(&[-1f32, 0., 2.], &Device::Cpu)?;
+/// let y = kernels::relu(&x)?;
+/// assert_eq!(y.to_vec1::<f32>()?, [0.0, 0.0, 2.0]);
+/// let g = (y * 3.0)?.sum_all()?.backward()?;
+/// assert_eq!(g.get(&x).unwrap().to_vec1::<f32>()?, [0.0, 0.0, 3.0]);
+/// # Ok(()) }
+/// ```
+pub fn relu(x: &Tensor) -> Result<Tensor> {
+    if !(x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)) {
+        return x.relu();
+    }
+    let x = x.contiguous()?;
+    if x.track_op() {
+        x.apply_op1(Relu)
+    } else {
+        x.apply_op1_no_bwd(&Relu)
+    }
+}

@@ -1,0 +1,588 @@
+//! Kernels over raw slices, one pass each, per instruction set: type conversion,
+//! unscale-and-check of a gradient, and the fused AdamW and SGD updates. The Tensor-level
+//! operations in the sibling modules call these; they split large slices over the rayon pool.
+
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+use super::isa::{Isa, current};
+use super::simd::Elem;
+
+/// Slices longer than this are split over the rayon pool (when it has more than one thread).
+const PAR_CHUNK: usize = 1 << 16;
+
+fn parallel(n: usize) -> bool {
+    n > 2 * PAR_CHUNK && rayon::current_num_threads() > 1
+}
+
+// ------------------------------------------------------------------------------- convert
+
+/// `dst[i] = src[i]` converted (round to nearest even).
+pub(crate) fn convert<S: Elem + Vx, D: Elem + Vx>(src: &[S], dst: &mut [D]) {
+    assert_eq!(src.len(), dst.len(), "convert: lengths differ");
+    if parallel(src.len()) {
+        src.par_chunks(PAR_CHUNK)
+            .zip(dst.par_chunks_mut(PAR_CHUNK))
+            .for_each(|(s, d)| convert_serial(s, d));
+    } else {
+        convert_serial(src, dst);
+    }
+}
+
+/// [`convert`] on the calling thread.
+pub(crate) fn convert_serial<S: Elem + Vx, D: Elem + Vx>(src: &[S], dst: &mut [D]) {
+    #[cfg(target_arch = "x86_64")]
+    match current() {
+        // SAFETY: the level is only reported when the CPU has its features.
+        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => return unsafe { x86::convert512(src, dst) },
+        Isa::Avx2 => return unsafe { x86::convert256(src, dst) },
+        Isa::Portable => {}
+    }
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = D::from_f32(s.to_f32());
+    }
+}
+
+// ------------------------------------------------------------------------------- unscale
+
+/// How a raw value becomes an unscaled f32 value (see `unscale.rs` for why).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Unscale {
+    /// The scale is 1.
+    Identity,
+    /// `g * inv` in f32 (PyTorch's arithmetic).
+    Mul(f32),
+    /// `g / scale` in f64: the f32 inverse is not finite.
+    Div(f64),
+}
+
+impl Unscale {
+    pub(crate) fn new(scale: f32) -> Self {
+        let inv = (1.0f64 / scale as f64) as f32;
+        if inv == 1.0 {
+            Unscale::Identity
+        } else if inv.is_finite() {
+            Unscale::Mul(inv)
+        } else {
+            Unscale::Div(scale as f64)
+        }
+    }
+
+    #[inline(always)]
+    pub(crate) fn apply(self, g: f32) -> f32 {
+        match self {
+            Unscale::Identity => g,
+            Unscale::Mul(inv) => g * inv,
+            Unscale::Div(s) => (g as f64 / s) as f32,
+        }
+    }
+}
+
+/// `out[i] = unscale(raw[i])` (or `out[i] += ...` with `accumulate`); returns whether a raw
+/// value, or a value written, is inf or NaN.
+pub(crate) fn unscale<S: Elem + Vx>(raw: &[S], out: &mut [f32], u: Unscale, accumulate: bool) -> bool {
+    assert_eq!(raw.len(), out.len(), "unscale: lengths differ");
+    if parallel(raw.len()) {
+        raw.par_chunks(PAR_CHUNK)
+            .zip(out.par_chunks_mut(PAR_CHUNK))
+            .map(|(r, o)| unscale_serial(r, o, u, accumulate))
+            .reduce(|| false, |a, b| a | b)
+    } else {
+        unscale_serial(raw, out, u, accumulate)
+    }
+}
+
+fn unscale_serial<S: Elem + Vx>(raw: &[S], out: &mut [f32], u: Unscale, acc: bool) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if !matches!(u, Unscale::Div(_)) {
+        let inv = match u {
+            Unscale::Mul(inv) => inv,
+            _ => 1.0,
+        };
+        match current() {
+            // SAFETY: the level is only reported when the CPU has its features.
+            Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => return unsafe { x86::unscale512(raw, out, inv, acc) },
+            Isa::Avx2 => return unsafe { x86::unscale256(raw, out, inv, acc) },
+            Isa::Portable => {}
+        }
+    }
+    let mut bad = false;
+    for (o, r) in out.iter_mut().zip(raw) {
+        let g = r.to_f32();
+        let v = if acc { *o + u.apply(g) } else { u.apply(g) };
+        bad |= !g.is_finite() | !v.is_finite();
+        *o = v;
+    }
+    bad
+}
+
+// ------------------------------------------------------------------------------- adamw
+
+/// One AdamW step's constants for one parameter.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWStep {
+    /// Learning rate.
+    pub lr: f64,
+    /// First-moment decay.
+    pub beta1: f64,
+    /// Second-moment decay.
+    pub beta2: f64,
+    /// Denominator epsilon.
+    pub eps: f64,
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+    /// The parameter's step number, counting this one (from 1).
+    pub step: u64,
+}
+
+/// The f32 constants of an AdamW step, computed in f64 once (candle-nn's order of
+/// operations: `p*(1-lr*wd) - lr * (m/(1-b1^t)) / (sqrt(v/(1-b2^t)) + eps)`).
+#[derive(Clone, Copy)]
+pub(crate) struct AdamWConsts {
+    pub b1: f32,
+    pub one_minus_b1: f32,
+    pub b2: f32,
+    pub one_minus_b2: f32,
+    pub inv_bc1: f32,
+    pub inv_bc2: f32,
+    pub decay: f32,
+    pub lr: f32,
+    pub eps: f32,
+}
+
+impl AdamWConsts {
+    pub(crate) fn new(s: &AdamWStep) -> Self {
+        let t = s.step as f64;
+        Self {
+            b1: s.beta1 as f32,
+            one_minus_b1: (1.0 - s.beta1) as f32,
+            b2: s.beta2 as f32,
+            one_minus_b2: (1.0 - s.beta2) as f32,
+            inv_bc1: (1.0 / (1.0 - s.beta1.powf(t))) as f32,
+            inv_bc2: (1.0 / (1.0 - s.beta2.powf(t))) as f32,
+            decay: (1.0 - s.lr * s.weight_decay) as f32,
+            lr: s.lr as f32,
+            eps: s.eps as f32,
+        }
+    }
+
+    /// One element, in the same order as the vector paths and candle-nn's AdamW.
+    #[inline(always)]
+    pub(crate) fn update(&self, p: f32, g: f32, m: &mut f32, v: &mut f32) -> f32 {
+        let nm = self.b1 * *m + self.one_minus_b1 * g;
+        let nv = self.b2 * *v + self.one_minus_b2 * (g * g);
+        *m = nm;
+        *v = nv;
+        let mh = nm * self.inv_bc1;
+        let vh = nv * self.inv_bc2;
+        p * self.decay - (mh / (vh.sqrt() + self.eps)) * self.lr
+    }
+}
+
+/// Where a fused optimizer step writes the parameter's half working copy, if anywhere.
+pub enum HalfOut<'a> {
+    /// No half copy (O0, O1).
+    None,
+    /// An f16 working copy of the same length.
+    F16(&'a mut [f16]),
+    /// A bf16 working copy of the same length.
+    Bf16(&'a mut [bf16]),
+}
+
+impl std::fmt::Debug for HalfOut<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            HalfOut::None => "None",
+            HalfOut::F16(_) => "F16",
+            HalfOut::Bf16(_) => "Bf16",
+        })
+    }
+}
+
+/// A parameter as the fused update sees it: f32 values updated in place, or half values
+/// read and written back (O3, no f32 master).
+pub(crate) enum ParamSlice<'a, H> {
+    F32(&'a mut [f32], Option<&'a mut [H]>),
+    Half(&'a mut [H]),
+}
+
+/// One fused AdamW pass: updates `p`, `m`, `v` in place from `g` and writes the rounded new
+/// values into `half`, split over the rayon pool for large parameters.
+pub fn adamw(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], half: HalfOut<'_>, s: &AdamWStep) {
+    let c = AdamWConsts::new(s);
+    match half {
+        HalfOut::None => adamw_param::<f16>(ParamSlice::F32(p, None), g, m, v, &c),
+        HalfOut::F16(h) => adamw_param(ParamSlice::F32(p, Some(h)), g, m, v, &c),
+        HalfOut::Bf16(h) => adamw_param(ParamSlice::F32(p, Some(h)), g, m, v, &c),
+    }
+}
+
+pub(crate) fn adamw_param<H: Elem + Vx>(
+    p: ParamSlice<'_, H>,
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    c: &AdamWConsts,
+) {
+    let n = g.len();
+    assert!(m.len() == n && v.len() == n, "adamw: lengths differ");
+    match p {
+        ParamSlice::F32(p, h) => {
+            assert_eq!(p.len(), n);
+            match h {
+                Some(h) => {
+                    assert_eq!(h.len(), n);
+                    if parallel(n) {
+                        p.par_chunks_mut(PAR_CHUNK)
+                            .zip(g.par_chunks(PAR_CHUNK))
+                            .zip(m.par_chunks_mut(PAR_CHUNK))
+                            .zip(v.par_chunks_mut(PAR_CHUNK))
+                            .zip(h.par_chunks_mut(PAR_CHUNK))
+                            .for_each(|((((p, g), m), v), h)| adamw_serial(p, g, m, v, Some(h), c));
+                    } else {
+                        adamw_serial(p, g, m, v, Some(h), c)
+                    }
+                }
+                None => {
+                    if parallel(n) {
+                        p.par_chunks_mut(PAR_CHUNK)
+                            .zip(g.par_chunks(PAR_CHUNK))
+                            .zip(m.par_chunks_mut(PAR_CHUNK))
+                            .zip(v.par_chunks_mut(PAR_CHUNK))
+                            .for_each(|(((p, g), m), v)| adamw_serial::<f32, H>(p, g, m, v, None, c));
+                    } else {
+                        adamw_serial::<f32, H>(p, g, m, v, None, c)
+                    }
+                }
+            }
+        }
+        ParamSlice::Half(p) => {
+            assert_eq!(p.len(), n);
+            if parallel(n) {
+                p.par_chunks_mut(PAR_CHUNK)
+                    .zip(g.par_chunks(PAR_CHUNK))
+                    .zip(m.par_chunks_mut(PAR_CHUNK))
+                    .zip(v.par_chunks_mut(PAR_CHUNK))
+                    .for_each(|(((p, g), m), v)| adamw_serial::<H, H>(p, g, m, v, None, c));
+            } else {
+                adamw_serial::<H, H>(p, g, m, v, None, c)
+            }
+        }
+    }
+}
+
+/// `p` is updated in place (f32, or half at O3); `h` gets the rounded copy when given.
+fn adamw_serial<P: Elem + Vx, H: Elem + Vx>(
+    p: &mut [P],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    h: Option<&mut [H]>,
+    c: &AdamWConsts,
+) {
+    #[cfg(target_arch = "x86_64")]
+    match current() {
+        // SAFETY: the level is only reported when the CPU has its features.
+        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => return unsafe { x86::adamw512(p, g, m, v, h, c) },
+        Isa::Avx2 => return unsafe { x86::adamw256(p, g, m, v, h, c) },
+        Isa::Portable => {}
+    }
+    match h {
+        Some(h) => {
+            for i in 0..p.len() {
+                let np = c.update(p[i].to_f32(), g[i], &mut m[i], &mut v[i]);
+                p[i] = P::from_f32(np);
+                h[i] = H::from_f32(np);
+            }
+        }
+        None => {
+            for i in 0..p.len() {
+                let np = c.update(p[i].to_f32(), g[i], &mut m[i], &mut v[i]);
+                p[i] = P::from_f32(np);
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------- sgd
+
+/// One SGD step's constants (PyTorch's `torch.optim.SGD`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct SgdConsts {
+    pub lr: f32,
+    pub weight_decay: f32,
+    pub momentum: f32,
+    pub one_minus_dampening: f32,
+    pub nesterov: bool,
+    /// The first step with momentum: the buffer starts as the gradient.
+    pub first: bool,
+}
+
+impl SgdConsts {
+    #[inline(always)]
+    pub(crate) fn update(&self, p: f32, g: f32, buf: Option<&mut f32>) -> f32 {
+        let mut d = if self.weight_decay != 0.0 {
+            g + p * self.weight_decay
+        } else {
+            g
+        };
+        if let Some(b) = buf {
+            let nb = if self.first {
+                d
+            } else {
+                self.momentum * *b + self.one_minus_dampening * d
+            };
+            *b = nb;
+            d = if self.nesterov { d + nb * self.momentum } else { nb };
+        }
+        p - d * self.lr
+    }
+}
+
+/// One fused SGD pass (scalar loops the compiler vectorizes; momentum optional).
+pub(crate) fn sgd_param<H: Elem + Vx>(p: ParamSlice<'_, H>, g: &[f32], buf: Option<&mut [f32]>, c: &SgdConsts) {
+    fn run<P: Elem, H: Elem>(p: &mut [P], g: &[f32], buf: Option<&mut [f32]>, mut h: Option<&mut [H]>, c: &SgdConsts) {
+        match buf {
+            Some(b) => {
+                for i in 0..p.len() {
+                    let np = c.update(p[i].to_f32(), g[i], Some(&mut b[i]));
+                    p[i] = P::from_f32(np);
+                    if let Some(h) = h.as_deref_mut() {
+                        h[i] = H::from_f32(np);
+                    }
+                }
+            }
+            None => {
+                for i in 0..p.len() {
+                    let np = c.update(p[i].to_f32(), g[i], None);
+                    p[i] = P::from_f32(np);
+                    if let Some(h) = h.as_deref_mut() {
+                        h[i] = H::from_f32(np);
+                    }
+                }
+            }
+        }
+    }
+    match p {
+        ParamSlice::F32(p, h) => run(p, g, buf, h, c),
+        ParamSlice::Half(p) => run::<H, H>(p, g, buf, None, c),
+    }
+}
+
+// ------------------------------------------------------------------------------- x86
+
+/// Types with vector loads and stores on x86 (every [`Elem`]); a marker elsewhere.
+#[cfg(target_arch = "x86_64")]
+pub(crate) trait Vx: super::simd::x86::V16 + super::simd::x86::V8 {}
+#[cfg(target_arch = "x86_64")]
+impl<T: super::simd::x86::V16 + super::simd::x86::V8> Vx for T {}
+/// Types with vector loads and stores on x86 (every [`Elem`]); a marker elsewhere.
+#[cfg(not(target_arch = "x86_64"))]
+pub(crate) trait Vx {}
+#[cfg(not(target_arch = "x86_64"))]
+impl<T> Vx for T {}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::AdamWConsts;
+    use crate::kernels::simd::Elem;
+    use crate::kernels::simd::x86::{V8, V16, nonfinite8, nonfinite16};
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,avx2,fma")]
+    pub(super) unsafe fn convert512<S: Elem + V16, D: Elem + V16>(src: &[S], dst: &mut [D]) {
+        let n = src.len();
+        let mut i = 0;
+        unsafe {
+            while i + 16 <= n {
+                D::store16(dst.as_mut_ptr().add(i), S::load16(src.as_ptr().add(i)));
+                i += 16;
+            }
+        }
+        for k in i..n {
+            dst[k] = D::from_f32(src[k].to_f32());
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn convert256<S: Elem + V8, D: Elem + V8>(src: &[S], dst: &mut [D]) {
+        let n = src.len();
+        let mut i = 0;
+        unsafe {
+            while i + 8 <= n {
+                D::store8(dst.as_mut_ptr().add(i), S::load8(src.as_ptr().add(i)));
+                i += 8;
+            }
+        }
+        for k in i..n {
+            dst[k] = D::from_f32(src[k].to_f32());
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,avx2,fma")]
+    pub(super) unsafe fn unscale512<S: Elem + V16>(raw: &[S], out: &mut [f32], inv: f32, acc: bool) -> bool {
+        let n = raw.len();
+        let mut i = 0;
+        let mut bad: __mmask16 = 0;
+        unsafe {
+            let vinv = _mm512_set1_ps(inv);
+            while i + 16 <= n {
+                let g = S::load16(raw.as_ptr().add(i));
+                let mut v = _mm512_mul_ps(g, vinv);
+                if acc {
+                    v = _mm512_add_ps(_mm512_loadu_ps(out.as_ptr().add(i)), v);
+                }
+                bad |= nonfinite16(g) | nonfinite16(v);
+                _mm512_storeu_ps(out.as_mut_ptr().add(i), v);
+                i += 16;
+            }
+        }
+        let mut b = bad != 0;
+        for k in i..n {
+            let g = raw[k].to_f32();
+            let v = if acc { out[k] + g * inv } else { g * inv };
+            b |= !g.is_finite() | !v.is_finite();
+            out[k] = v;
+        }
+        b
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn unscale256<S: Elem + V8>(raw: &[S], out: &mut [f32], inv: f32, acc: bool) -> bool {
+        let n = raw.len();
+        let mut i = 0;
+        let mut bad = 0i32;
+        unsafe {
+            let vinv = _mm256_set1_ps(inv);
+            while i + 8 <= n {
+                let g = S::load8(raw.as_ptr().add(i));
+                let mut v = _mm256_mul_ps(g, vinv);
+                if acc {
+                    v = _mm256_add_ps(_mm256_loadu_ps(out.as_ptr().add(i)), v);
+                }
+                bad |= nonfinite8(g) | nonfinite8(v);
+                _mm256_storeu_ps(out.as_mut_ptr().add(i), v);
+                i += 8;
+            }
+        }
+        let mut b = bad != 0;
+        for k in i..n {
+            let g = raw[k].to_f32();
+            let v = if acc { out[k] + g * inv } else { g * inv };
+            b |= !g.is_finite() | !v.is_finite();
+            out[k] = v;
+        }
+        b
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,avx2,fma")]
+    pub(super) unsafe fn adamw512<P: Elem + V16, H: Elem + V16>(
+        p: &mut [P],
+        g: &[f32],
+        m: &mut [f32],
+        v: &mut [f32],
+        mut h: Option<&mut [H]>,
+        c: &AdamWConsts,
+    ) {
+        let n = p.len();
+        let mut i = 0;
+        unsafe {
+            let b1 = _mm512_set1_ps(c.b1);
+            let ob1 = _mm512_set1_ps(c.one_minus_b1);
+            let b2 = _mm512_set1_ps(c.b2);
+            let ob2 = _mm512_set1_ps(c.one_minus_b2);
+            let ib1 = _mm512_set1_ps(c.inv_bc1);
+            let ib2 = _mm512_set1_ps(c.inv_bc2);
+            let decay = _mm512_set1_ps(c.decay);
+            let lr = _mm512_set1_ps(c.lr);
+            let eps = _mm512_set1_ps(c.eps);
+            while i + 16 <= n {
+                let gv = _mm512_loadu_ps(g.as_ptr().add(i));
+                let pv = P::load16(p.as_ptr().add(i));
+                // The same operations, in the same order, as the scalar update (no FMA, so
+                // the vector and portable paths agree bit for bit).
+                let nm = _mm512_add_ps(
+                    _mm512_mul_ps(b1, _mm512_loadu_ps(m.as_ptr().add(i))),
+                    _mm512_mul_ps(ob1, gv),
+                );
+                let nv = _mm512_add_ps(
+                    _mm512_mul_ps(b2, _mm512_loadu_ps(v.as_ptr().add(i))),
+                    _mm512_mul_ps(ob2, _mm512_mul_ps(gv, gv)),
+                );
+                _mm512_storeu_ps(m.as_mut_ptr().add(i), nm);
+                _mm512_storeu_ps(v.as_mut_ptr().add(i), nv);
+                let mh = _mm512_mul_ps(nm, ib1);
+                let vh = _mm512_mul_ps(nv, ib2);
+                let upd = _mm512_mul_ps(_mm512_div_ps(mh, _mm512_add_ps(_mm512_sqrt_ps(vh), eps)), lr);
+                let np = _mm512_sub_ps(_mm512_mul_ps(pv, decay), upd);
+                P::store16(p.as_mut_ptr().add(i), np);
+                if let Some(h) = h.as_deref_mut() {
+                    H::store16(h.as_mut_ptr().add(i), np);
+                }
+                i += 16;
+            }
+        }
+        for k in i..n {
+            let np = c.update(p[k].to_f32(), g[k], &mut m[k], &mut v[k]);
+            p[k] = P::from_f32(np);
+            if let Some(h) = h.as_deref_mut() {
+                h[k] = H::from_f32(np);
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn adamw256<P: Elem + V8, H: Elem + V8>(
+        p: &mut [P],
+        g: &[f32],
+        m: &mut [f32],
+        v: &mut [f32],
+        mut h: Option<&mut [H]>,
+        c: &AdamWConsts,
+    ) {
+        let n = p.len();
+        let mut i = 0;
+        unsafe {
+            let b1 = _mm256_set1_ps(c.b1);
+            let ob1 = _mm256_set1_ps(c.one_minus_b1);
+            let b2 = _mm256_set1_ps(c.b2);
+            let ob2 = _mm256_set1_ps(c.one_minus_b2);
+            let ib1 = _mm256_set1_ps(c.inv_bc1);
+            let ib2 = _mm256_set1_ps(c.inv_bc2);
+            let decay = _mm256_set1_ps(c.decay);
+            let lr = _mm256_set1_ps(c.lr);
+            let eps = _mm256_set1_ps(c.eps);
+            while i + 8 <= n {
+                let gv = _mm256_loadu_ps(g.as_ptr().add(i));
+                let pv = P::load8(p.as_ptr().add(i));
+                let nm = _mm256_add_ps(
+                    _mm256_mul_ps(b1, _mm256_loadu_ps(m.as_ptr().add(i))),
+                    _mm256_mul_ps(ob1, gv),
+                );
+                let nv = _mm256_add_ps(
+                    _mm256_mul_ps(b2, _mm256_loadu_ps(v.as_ptr().add(i))),
+                    _mm256_mul_ps(ob2, _mm256_mul_ps(gv, gv)),
+                );
+                _mm256_storeu_ps(m.as_mut_ptr().add(i), nm);
+                _mm256_storeu_ps(v.as_mut_ptr().add(i), nv);
+                let mh = _mm256_mul_ps(nm, ib1);
+                let vh = _mm256_mul_ps(nv, ib2);
+                let upd = _mm256_mul_ps(_mm256_div_ps(mh, _mm256_add_ps(_mm256_sqrt_ps(vh), eps)), lr);
+                let np = _mm256_sub_ps(_mm256_mul_ps(pv, decay), upd);
+                P::store8(p.as_mut_ptr().add(i), np);
+                if let Some(h) = h.as_deref_mut() {
+                    H::store8(h.as_mut_ptr().add(i), np);
+                }
+                i += 8;
+            }
+        }
+        for k in i..n {
+            let np = c.update(p[k].to_f32(), g[k], &mut m[k], &mut v[k]);
+            p[k] = P::from_f32(np);
+            if let Some(h) = h.as_deref_mut() {
+                h[k] = H::from_f32(np);
+            }
+        }
+    }
+}

@@ -1,0 +1,164 @@
+//! In-place, one-pass optimizer updates on the CPU: what the fused optimizers share.
+//!
+//! A fused step updates each parameter's f32 values (the master at O2, the model's own Var
+//! at O0/O1) in place, reading its gradient and updating the optimizer's own f32 state
+//! buffers in the same pass, then writes the half working copy (O2) with
+//! [`crate::kernels::cast_into`]. At O3, where no f32 value exists, the half parameter itself
+//! is read, updated in f32 and written back. Everything is checked before anything is written,
+//! so a step is all or nothing.
+
+use std::sync::Mutex;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Tensor};
+use half::{bf16, f16};
+
+use super::ParamUpdate;
+use crate::error::Result;
+
+/// The parameter values a fused kernel updates.
+pub(crate) enum Target<'s> {
+    /// f32 values (master or f32 working Var).
+    F32(&'s mut [f32]),
+    /// A half parameter without an f32 master (O3).
+    F16(&'s mut [f16]),
+    /// A half parameter without an f32 master (O3).
+    Bf16(&'s mut [bf16]),
+}
+
+type Kernel<'a> = Box<dyn FnOnce(Target<'_>, &[f32]) + Send + 'a>;
+
+/// An in-place op running one kernel over (parameter, gradient).
+struct InPlace<'a> {
+    kernel: Mutex<Option<Kernel<'a>>>,
+}
+
+impl InplaceOp2 for InPlace<'_> {
+    fn name(&self) -> &'static str {
+        "amp-fused-step"
+    }
+
+    fn cpu_fwd(&self, dst: &mut CpuStorage, dl: &Layout, src: &CpuStorage, sl: &Layout) -> candle_core::Result<()> {
+        let msg = || candle_core::Error::Msg("amp-fused-step: tensors must be contiguous".into());
+        let (da, db) = dl.contiguous_offsets().ok_or_else(msg)?;
+        let (sa, sb) = sl.contiguous_offsets().ok_or_else(msg)?;
+        let CpuStorage::F32(g) = src else {
+            candle_core::bail!("amp-fused-step: the gradient must be f32, got {:?}", src.dtype())
+        };
+        let t = match dst {
+            CpuStorage::F32(v) => Target::F32(&mut v[da..db]),
+            CpuStorage::F16(v) => Target::F16(&mut v[da..db]),
+            CpuStorage::BF16(v) => Target::Bf16(&mut v[da..db]),
+            other => candle_core::bail!("amp-fused-step: {:?} parameter", other.dtype()),
+        };
+        if sb - sa != db - da {
+            candle_core::bail!("amp-fused-step: {} gradient values for {} parameters", sb - sa, db - da)
+        }
+        let k = self.kernel.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(k) = k {
+            k(t, &g[sa..sb]);
+        }
+        Ok(())
+    }
+}
+
+fn contiguous_cpu(t: &Tensor) -> bool {
+    t.device().is_cpu() && t.is_contiguous()
+}
+
+/// Whether every parameter can take the fused CPU path: f32 gradients, and an f32 Var (or a
+/// half working Var at O3), all contiguous on the CPU.
+pub(crate) fn fusable(params: &[ParamUpdate<'_>]) -> bool {
+    params.iter().all(|p| {
+        let grad_ok = contiguous_cpu(p.grad) && p.grad.dtype() == DType::F32 && p.grad.dims() == p.var.dims();
+        let target_ok = if p.persistent {
+            contiguous_cpu(p.var) && p.var.dtype() == DType::F32
+        } else {
+            p.working
+                .is_some_and(|w| contiguous_cpu(w) && matches!(w.dtype(), DType::F16 | DType::BF16))
+        };
+        let working_ok = p.working.is_none_or(|w| {
+            contiguous_cpu(w)
+                && w.elem_count() == p.var.elem_count()
+                && matches!(w.dtype(), DType::F16 | DType::BF16 | DType::F32)
+        });
+        grad_ok && target_ok && working_ok
+    })
+}
+
+/// Runs `kernel` over one parameter in place (checked by [`fusable`]), then writes the half
+/// working copy from the updated f32 values where there is one.
+pub(crate) fn apply<'a>(p: &ParamUpdate<'_>, kernel: impl FnOnce(Target<'_>, &[f32]) + Send + 'a) -> Result<()> {
+    let op = InPlace {
+        kernel: Mutex::new(Some(Box::new(kernel))),
+    };
+    let target = if p.persistent {
+        p.var.as_tensor()
+    } else {
+        p.working.expect("checked by fusable").as_tensor()
+    };
+    target.inplace_op2(p.grad, &op)?;
+    if p.persistent
+        && let Some(w) = p.working
+    {
+        crate::kernels::cast_into(p.var.as_tensor(), w.as_tensor())?;
+    }
+    Ok(())
+}
+
+/// One parameter's state in buffers the optimizer owns.
+#[derive(Debug, Clone)]
+pub(crate) struct Slots {
+    /// Steps applied.
+    pub step: u64,
+    /// The parameter's shape.
+    pub shape: Vec<usize>,
+    /// The named f32 buffers, each with the parameter's element count.
+    pub bufs: Vec<(&'static str, Vec<f32>)>,
+}
+
+impl Slots {
+    /// Zeroed buffers for a parameter of `shape`.
+    pub(crate) fn zeros(shape: &[usize], names: &[&'static str]) -> Self {
+        let n: usize = shape.iter().product();
+        Self {
+            step: 0,
+            shape: shape.to_vec(),
+            bufs: names.iter().map(|k| (*k, vec![0f32; n])).collect(),
+        }
+    }
+
+    /// The buffers as tensors (copies: a snapshot).
+    pub(crate) fn to_state(&self) -> Result<super::ParamState> {
+        let mut buffers = std::collections::BTreeMap::new();
+        for (k, v) in &self.bufs {
+            buffers.insert(
+                k.to_string(),
+                Tensor::from_slice(v, self.shape.as_slice(), &candle_core::Device::Cpu)?,
+            );
+        }
+        Ok(super::ParamState {
+            step: self.step,
+            buffers,
+        })
+    }
+
+    /// Buffers from saved tensors (`names` required, each of the same shape).
+    pub(crate) fn from_state(ps: &super::ParamState, names: &[&'static str], param: &str) -> Result<Self> {
+        let mut bufs = Vec::new();
+        let mut shape = None;
+        for k in names {
+            let t = ps
+                .buffers
+                .get(*k)
+                .ok_or_else(|| crate::AmpError::OptimizerState(format!("parameter `{param}` has no `{k}` buffer")))?;
+            shape = Some(t.dims().to_vec());
+            bufs.push((*k, t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?));
+        }
+        Ok(Self {
+            step: ps.step,
+            shape: shape.unwrap_or_default(),
+            bufs,
+        })
+    }
+}
