@@ -610,3 +610,243 @@ fn fused_optimizers_equal_the_tensor_paths() {
         }
     });
 }
+
+#[test]
+fn the_plain_candle_path_is_selectable_and_trains_alike() {
+    use candle_amp::optim::{Sgd, SgdConfig};
+    use candle_amp::{HalfType, OptLevel};
+    let _g = LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    let bits = |t: &Tensor| bits_f32(t);
+    for dt in [DType::F32, DType::F16, DType::BF16] {
+        let a = rand_t(&[3, 20, 30], 61, dt);
+        let b = rand_t(&[3, 30, 40], 62, dt);
+        let w = rand_t(&[40, 30], 63, dt);
+        let bias = rand_t(&[40], 64, dt);
+        let x = rand_t(&[5, 30], 65, DType::F32);
+        let mut v = tricky(1000, 66);
+        v[0] = 0.0;
+        let z = Var::from_tensor(&Tensor::from_vec(v, 1000, &Device::Cpu).unwrap().to_dtype(dt).unwrap()).unwrap();
+        let _plain = kernels::plain();
+        assert!(!kernels::enabled());
+        // Every entry point is candle's op, bit for bit.
+        assert_eq!(
+            bits(&kernels::matmul(&a, &b).unwrap()),
+            bits(&a.matmul(&b).unwrap()),
+            "{dt:?} matmul"
+        );
+        let want = a
+            .broadcast_matmul(&w.t().unwrap())
+            .unwrap()
+            .broadcast_add(&bias)
+            .unwrap();
+        assert_eq!(
+            bits(&kernels::linear(&a, &w, Some(&bias)).unwrap()),
+            bits(&want),
+            "{dt:?} linear"
+        );
+        assert_eq!(
+            bits(&kernels::cast(&x, dt).unwrap()),
+            bits(&x.to_dtype(dt).unwrap()),
+            "{dt:?} cast"
+        );
+        assert_eq!(
+            bits(&kernels::gelu(&z).unwrap()),
+            bits(&z.gelu_erf().unwrap()),
+            "{dt:?} gelu"
+        );
+        // candle's relu passes the gradient at zero; the kernel does not.
+        let g = kernels::relu(&z).unwrap().sum_all().unwrap().backward().unwrap();
+        assert_eq!(
+            g.get(&z)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()[0],
+            1.0
+        );
+    }
+    {
+        let z = Var::new(&[0f32, 1.0], &Device::Cpu).unwrap();
+        let g = kernels::relu(&z).unwrap().sum_all().unwrap().backward().unwrap();
+        assert_eq!(g.get(&z).unwrap().to_vec1::<f32>().unwrap(), [0.0, 1.0]);
+    }
+    // Whole runs with and without the kernels (and the fused optimizer) end close: the only
+    // differences are summation order in the products and, in half, which way a value near a
+    // tie rounds. SGD keeps them proportional (Adam's first steps move every weight by
+    // about lr whatever the gradient's size, so a rounding difference in a near-zero
+    // gradient would flip a whole step).
+    let sgd = |fused| -> MakeOpt {
+        Box::new(move |a: &candle_amp::Amp| {
+            let cfg = SgdConfig {
+                momentum: 0.9,
+                fused,
+                ..SgdConfig::new(0.05)
+            };
+            a.optimizer(Sgd::new(cfg).unwrap()).unwrap()
+        })
+    };
+    for (level, half, tol) in [
+        // f32 products go through the same `gemm` crate either way.
+        (OptLevel::O0, HalfType::F16, 1e-6),
+        // A quarter of a bf16 / f16 ulp at 1 over four steps.
+        (OptLevel::O1, HalfType::Bf16, 1e-3),
+        (OptLevel::O2, HalfType::F16, 1.25e-4),
+        (OptLevel::O2, HalfType::Bf16, 1e-3),
+    ] {
+        let fast = train(level, half, sgd(true));
+        let plain = {
+            let _p = kernels::plain();
+            train(level, half, sgd(false))
+        };
+        let mut worst = 0f32;
+        for (pa, pb) in fast.iter().zip(&plain) {
+            for (x, y) in pa.iter().zip(pb) {
+                worst = worst.max((x - y).abs());
+            }
+        }
+        assert!(
+            worst <= tol,
+            "{level} {half}: kernels and plain candle differ by {worst}"
+        );
+    }
+}
+
+/// Layer norm (or RMS norm) of `x` with `w`, `b`, everything in f64 through candle's own
+/// tensor ops and autograd: `(y, dx, dw, db)` for the loss `Σ y * r`.
+#[allow(clippy::type_complexity)]
+fn norm_f64(
+    x: &Tensor,
+    w: Option<&Tensor>,
+    b: Option<&Tensor>,
+    r: &Tensor,
+    center: bool,
+) -> (Vec<f64>, Vec<f64>, Option<Vec<f64>>, Option<Vec<f64>>) {
+    use candle_core::D;
+    let v = |t: &Tensor| Var::from_tensor(&t.to_dtype(DType::F64).unwrap()).unwrap();
+    let (x, w, b) = (v(x), w.map(v), b.map(v));
+    let c = if center {
+        x.broadcast_sub(&x.mean_keepdim(D::Minus1).unwrap()).unwrap()
+    } else {
+        x.as_tensor().clone()
+    };
+    let var = c.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
+    let mut y = c.broadcast_div(&(var + 1e-5).unwrap().sqrt().unwrap()).unwrap();
+    if let Some(w) = &w {
+        y = y.broadcast_mul(w).unwrap();
+    }
+    if let Some(b) = &b {
+        y = y.broadcast_add(b).unwrap();
+    }
+    let g = (&y * r.to_dtype(DType::F64).unwrap())
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+    (
+        flat(&y),
+        flat(g.get(&x).unwrap()),
+        w.map(|w| flat(g.get(&w).unwrap())),
+        b.map(|b| flat(g.get(&b).unwrap())),
+    )
+}
+
+#[test]
+fn layer_and_rms_norm_match_an_f64_reference_with_gradients() {
+    each_isa(|isa| {
+        for dt in [DType::F32, DType::F16, DType::BF16] {
+            // Widths below, at and off the vector width; enough rows to split over threads.
+            for (rows, n) in [(3, 1), (5, 7), (4, 33), (700, 64), (9, 300)] {
+                for (center, with_w, with_b, pdt) in [
+                    (true, true, true, DType::F32),
+                    (true, true, true, dt),
+                    (true, false, false, dt),
+                    (true, false, true, DType::F32),
+                    (false, true, false, DType::F32),
+                    (false, false, false, dt),
+                ] {
+                    let what = format!("{isa:?} {dt:?} {rows}x{n} center {center} w {with_w} b {with_b} {pdt:?}");
+                    // A transposed (non-contiguous) view with an offset mean, so that
+                    // centring matters.
+                    let x = (rand_t(&[n, rows], 70 + n as u64, DType::F32) * 3.0).unwrap() + 2.0;
+                    let x = x.unwrap().t().unwrap().to_dtype(dt).unwrap();
+                    let x = Var::from_tensor(&x).unwrap();
+                    let w = with_w.then(|| {
+                        Var::from_tensor(&(rand_t(&[n], 71, DType::F32) + 1.0).unwrap().to_dtype(pdt).unwrap()).unwrap()
+                    });
+                    let b = with_b.then(|| Var::from_tensor(&rand_t(&[n], 72, pdt)).unwrap());
+                    let r = rand_t(&[rows, n], 73, DType::F32);
+                    let (w_t, b_t) = (w.as_ref().map(|v| v.as_tensor()), b.as_ref().map(|v| v.as_tensor()));
+                    let y = if center {
+                        kernels::layer_norm(&x, w_t, b_t, 1e-5).unwrap()
+                    } else {
+                        kernels::rms_norm(&x, w_t, 1e-5).unwrap()
+                    };
+                    assert_eq!(y.dtype(), dt, "{what}");
+                    let g = (y.to_dtype(DType::F32).unwrap() * &r)
+                        .unwrap()
+                        .sum_all()
+                        .unwrap()
+                        .backward()
+                        .unwrap();
+                    let (wy, wdx, wdw, wdb) = norm_f64(&x, w_t, b_t, &r, center);
+                    // One rounding to the output type; f32 arithmetic inside.
+                    let eps = match dt {
+                        DType::BF16 => 2f64.powi(-8),
+                        DType::F16 => 2f64.powi(-11),
+                        _ => 0.0,
+                    };
+                    let got = |t: &Tensor| {
+                        t.to_dtype(DType::F64)
+                            .unwrap()
+                            .flatten_all()
+                            .unwrap()
+                            .to_vec1::<f64>()
+                            .unwrap()
+                    };
+                    for (i, (p, q)) in got(&y).iter().zip(&wy).enumerate() {
+                        assert!((p - q).abs() <= 2e-5 + eps * q.abs(), "{what} y[{i}]: {p} vs {q}");
+                    }
+                    // Gradients are rounded to their own types; the input's are computed
+                    // from rounded inputs, so they get a few ulps of the largest gradient.
+                    let scale = |v: &[f64]| v.iter().fold(0f64, |m, x| m.max(x.abs())).max(1.0);
+                    // The incoming gradient is rounded to the output's type too (the graph casts
+                    // it back to `y`'s type), so every gradient gets the coarser of the two.
+                    let ulp = |t: DType| match t {
+                        DType::BF16 => 2f64.powi(-7),
+                        DType::F16 => 2f64.powi(-10),
+                        _ => 1e-5,
+                    };
+                    let check = |got: Vec<f64>, want: &[f64], t: DType, name: &str| {
+                        let e = ulp(t).max(ulp(dt));
+                        let s = scale(want);
+                        for (i, (p, q)) in got.iter().zip(want).enumerate() {
+                            assert!((p - q).abs() <= e * s, "{what} {name}[{i}]: {p} vs {q}");
+                        }
+                    };
+                    check(got(g.get(&x).unwrap()), &wdx, dt, "dx");
+                    if let (Some(w), Some(want)) = (&w, &wdw) {
+                        let gw = g.get(w).unwrap();
+                        assert_eq!(gw.dtype(), pdt, "{what}");
+                        check(got(gw), want, pdt, "dw");
+                    }
+                    if let (Some(b), Some(want)) = (&b, &wdb) {
+                        let gb = g.get(b).unwrap();
+                        assert_eq!(gb.dtype(), pdt, "{what}");
+                        check(got(gb), want, pdt, "db");
+                    }
+                }
+            }
+        }
+    });
+}
+
+#[test]
+fn norm_rejects_a_weight_of_the_wrong_length() {
+    let x = rand_t(&[4, 8], 80, DType::F32);
+    let w = rand_t(&[7], 81, DType::F32);
+    let e = kernels::layer_norm(&x, Some(&w), None, 1e-5).unwrap_err().to_string();
+    assert!(e.contains("weight") && e.contains("8 values"), "{e}");
+}

@@ -63,6 +63,7 @@ struct Args {
     steps: usize,
     quick: bool,
     kernels_only: bool,
+    torch: Option<String>,
 }
 
 fn parse_args() -> Result<Args> {
@@ -72,6 +73,7 @@ fn parse_args() -> Result<Args> {
         steps: 20,
         quick: false,
         kernels_only: false,
+        torch: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(f) = it.next() {
@@ -81,13 +83,17 @@ fn parse_args() -> Result<Args> {
             "--kernels-only" => a.kernels_only = true,
             "--threads" => a.threads = it.next().context("--threads N")?.parse()?,
             "--steps" => a.steps = it.next().context("--steps N")?.parse()?,
+            "--torch" => a.torch = Some(it.next().context("--torch FILE")?),
             other => bail!(
-                "unknown argument {other:?}; usage: bench [--json] [--threads N] [--steps N] [--quick] [--kernels-only]"
+                "unknown argument {other:?}; usage: bench [--json] [--threads N] [--steps N] [--quick] [--kernels-only] [--torch FILE]"
             ),
         }
     }
     if a.threads == 0 || a.steps == 0 {
         bail!("--threads and --steps must be at least 1");
+    }
+    if a.quick && a.torch.is_some() {
+        bail!("--torch compares the full-size MLP; drop --quick");
     }
     Ok(a)
 }
@@ -359,8 +365,21 @@ fn main() -> Result<()> {
     };
     let steps = if a.quick { 3 } else { a.steps };
 
+    // Read the PyTorch figures first: a bad file fails before minutes of measuring.
+    let torch = match &a.torch {
+        Some(path) => Some(read_torch(path, a.threads)?),
+        None => None,
+    };
     let mut out = json!({ "threads": a.threads });
     let data = digit_batches(batch, steps + 1)?;
+    // Profiling aid: BENCH_ISA=portable|avx2|avx512|avx512bf16 caps the kernels.
+    if let Ok(isa) = std::env::var("BENCH_ISA") {
+        let cap = kernels::Isa::ALL
+            .into_iter()
+            .find(|i| format!("{i:?}").eq_ignore_ascii_case(&isa))
+            .with_context(|| format!("BENCH_ISA={isa}: one of {:?}", kernels::Isa::ALL))?;
+        kernels::force_isa(Some(cap));
+    }
     // Profiling aid: BENCH_MLP=O2:bf16 runs that MLP configuration alone.
     if let Ok(which) = std::env::var("BENCH_MLP") {
         let (l, h) = which.split_once(':').context("BENCH_MLP=LEVEL:HALF")?;
@@ -442,6 +461,10 @@ fn main() -> Result<()> {
         levels.insert(level.to_string(), Value::Object(per_half));
     }
     out["levels"] = Value::Object(levels);
+    if let Some(t) = torch {
+        out["torch"] = t;
+    }
+    out["targets"] = targets(&out);
 
     print_table(&out);
     if a.json {
@@ -483,4 +506,130 @@ fn print_table(o: &Value) {
             );
         }
     }
+    let targets = o["targets"].as_array().cloned().unwrap_or_default();
+    if !targets.is_empty() {
+        eprintln!("\ntargets (ratio from this run, one line each):");
+        for t in &targets {
+            eprintln!(
+                "  {:<4} {:<52} {:>6.2} {} {:.2}",
+                if t["met"].as_bool() == Some(true) {
+                    "met"
+                } else {
+                    "MISS"
+                },
+                t["name"].as_str().unwrap_or(""),
+                f(&t["ratio"]),
+                t["rule"].as_str().unwrap_or(""),
+                f(&t["limit"]),
+            );
+        }
+    }
+}
+
+/// The PyTorch figures `benches/peers/torch_amp.py` printed (its last stdout line, or the
+/// whole file as one JSON object), checked before anything is measured.
+fn read_torch(path: &str, threads: usize) -> Result<Value> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("--torch: cannot read {path}"))?;
+    let line = text.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
+    let v: Value = serde_json::from_str(line)
+        .with_context(|| format!("--torch: {path} must end with the JSON line torch_amp.py prints"))?;
+    for k in ["fp32_step_ms", "autocast_bf16_step_ms"] {
+        if !v[k].as_f64().is_some_and(|x| x > 0.0) {
+            bail!("--torch: {path} has no positive {k:?}; run benches/peers/torch_amp.py again");
+        }
+    }
+    if v["threads"].as_u64() != Some(threads as u64) {
+        bail!(
+            "--torch: {path} was measured with {} threads, this run uses {threads}; pass the same --threads to both",
+            v["threads"]
+        );
+    }
+    Ok(v)
+}
+
+/// The README's targets as ratios from this run: `{name, ratio, rule, limit, met}`, where
+/// `rule` is `"<="`, `"<"` or `">="` (the ratio against the limit). The PyTorch ones appear
+/// only with `--torch`.
+fn targets(o: &Value) -> Value {
+    let f = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
+    let lv = |level: &str, half: &str, k: &str| f(&o["levels"][level][half][k]);
+    let mut t = Vec::new();
+    let mut add = |name: String, ratio: f64, rule: &str, limit: f64| {
+        let met = match rule {
+            "<" => ratio < limit,
+            ">=" => ratio >= limit,
+            _ => ratio <= limit,
+        };
+        t.push(json!({ "name": name, "ratio": ratio, "rule": rule, "limit": limit, "met": met }));
+    };
+    let mem = f(&o["memcpy_gbps"]);
+    add("cast bandwidth / memcpy".into(), f(&o["cast_gbps"]) / mem, ">=", 0.6);
+    add(
+        "unscale+check bandwidth / memcpy".into(),
+        f(&o["unscale_check_gbps"]) / mem,
+        ">=",
+        0.6,
+    );
+    add(
+        "fused AdamW bandwidth / memcpy".into(),
+        f(&o["adamw_gbps"]) / mem,
+        ">=",
+        0.5,
+    );
+    let o0 = lv("O0", "f16", "step_ms");
+    add(
+        "O0 step / plain candle f32 step".into(),
+        o0 / f(&o["plain_candle_f32_step_ms"]),
+        "<=",
+        1.0,
+    );
+    let best_bf16 = lv("O1", "bf16", "step_ms").min(lv("O2", "bf16", "step_ms"));
+    add("best of O1/O2 bf16 step / O0 step".into(), best_bf16 / o0, "<=", 0.6);
+    for level in ["O1", "O2", "O3"] {
+        add(
+            format!("{level} f16 step / O0 step"),
+            lv(level, "f16", "step_ms") / o0,
+            "<=",
+            1.0,
+        );
+    }
+    let t0 = lv("O0", "f16", "transformer_step_ms");
+    for level in ["O1", "O2", "O3"] {
+        for half in ["f16", "bf16"] {
+            add(
+                format!("{level} {half} transformer step / O0"),
+                lv(level, half, "transformer_step_ms") / t0,
+                "<=",
+                1.0,
+            );
+        }
+    }
+    let p0 = lv("O0", "f16", "peak_mb");
+    for level in ["O2", "O3"] {
+        for half in ["f16", "bf16"] {
+            add(
+                format!("{level} {half} peak memory / O0 (below 1)"),
+                lv(level, half, "peak_mb") / p0,
+                "<",
+                1.0,
+            );
+        }
+    }
+    if o["torch"].is_object() {
+        let fp32 = f(&o["torch"]["fp32_step_ms"]);
+        let tbf16 = f(&o["torch"]["autocast_bf16_step_ms"]);
+        add("O0 step / PyTorch fp32 step".into(), o0 / fp32, "<=", 0.8);
+        add("best of O1/O2 bf16 / PyTorch fp32".into(), best_bf16 / fp32, "<=", 1.0);
+        let best_any = ["O1", "O2", "O3"]
+            .iter()
+            .map(|l| lv(l, "bf16", "step_ms"))
+            .fold(f64::INFINITY, f64::min);
+        add(
+            "stretch: best bf16 level / PyTorch autocast bf16".into(),
+            best_any / tbf16,
+            "<=",
+            0.8,
+        );
+    }
+    Value::Array(t)
 }

@@ -182,7 +182,7 @@ impl CustomOp2 for GeluGrad {
 /// # Ok(()) }
 /// ```
 pub fn gelu(x: &Tensor) -> Result<Tensor> {
-    if !(x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)) {
+    if !(super::enabled() && x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)) {
         return x.gelu_erf();
     }
     let x = x.contiguous()?;

@@ -38,14 +38,41 @@ fn small<T: Elem + Vx>(
     m: usize,
     n: usize,
     k: usize,
-    a: Mat<'_, T>,
-    b: Mat<'_, T>,
+    a_view: Mat<'_, T>,
+    b_view: Mat<'_, T>,
     c: &mut [f32],
     ldc: usize,
     acc: bool,
 ) {
-    let a = a.widened_copy(m, k);
-    let b = b.widened_copy(k, n);
+    if m == 0 || n == 0 || k == 0 {
+        if !acc {
+            for i in 0..m {
+                c[i * ldc..i * ldc + n].fill(0.0);
+            }
+        }
+        return;
+    }
+    // Copies into this thread's scratch (grown once, never zero-filled again). m*n*k <= SMALL
+    // bounds m*k and k*n by SMALL too.
+    let mut run = |ab: &mut Vec<f32>, bb: &mut Vec<f32>| {
+        ab.resize(ab.len().max(m * k), 0.0);
+        bb.resize(bb.len().max(k * n), 0.0);
+        let (a, b) = (&mut ab[..m * k], &mut bb[..k * n]);
+        a_view.widen_into(m, k, a);
+        b_view.widen_into(k, n, b);
+        small_f32(m, n, k, a, b, c, ldc, acc)
+    };
+    SCRATCH.with(|s| match s.try_borrow_mut() {
+        Ok(mut s) => {
+            let (sa, sb) = &mut *s;
+            run(sa, sb)
+        }
+        Err(_) => run(&mut Vec::new(), &mut Vec::new()),
+    })
+}
+
+/// The direct loop over row-major f32 copies (the inner loop vectorises).
+fn small_f32(m: usize, n: usize, k: usize, a: &[f32], b: &[f32], c: &mut [f32], ldc: usize, acc: bool) {
     for i in 0..m {
         let row = &mut c[i * ldc..i * ldc + n];
         if !acc {
@@ -60,8 +87,11 @@ fn small<T: Elem + Vx>(
     }
 }
 
+/// The largest `m * n * k` the direct loop takes.
+const SMALL: usize = 4096;
+
 fn is_small(m: usize, n: usize, k: usize) -> bool {
-    m * n * k <= 4096 || m == 0 || n == 0 || k == 0
+    m * n * k <= SMALL || m == 0 || n == 0 || k == 0
 }
 
 /// The f32 product through the `gemm` crate.
@@ -142,22 +172,25 @@ fn dense_span<T>(v: &Mat<'_, T>, rows: usize, cols: usize) -> Option<(usize, usi
 /// Widens a view into `buf` and returns the f32 view with the same layout (dense blocks are
 /// converted as one slice at memory speed; other views are gathered row-major).
 fn widen<'b, T: Elem + Vx>(v: &Mat<'_, T>, rows: usize, cols: usize, buf: &'b mut Vec<f32>) -> Mat<'b, f32> {
-    buf.clear();
-    buf.resize(rows * cols, 0.0);
+    // Grown, never cleared: every value used is overwritten below, so no zero-fill pass.
+    if buf.len() < rows * cols {
+        buf.resize(rows * cols, 0.0);
+    }
+    let dst = &mut buf[..rows * cols];
     match dense_span(v, rows, cols) {
         Some((lo, hi)) => {
-            convert(&v.data[lo..hi], &mut buf[..]);
+            convert(&v.data[lo..hi], dst);
             Mat {
-                data: &buf[..],
+                data: dst,
                 off: 0,
                 rs: if rows == 1 { cols } else { v.rs },
                 cs: if cols == 1 { 1 } else { v.cs },
             }
         }
         None => {
-            *buf = v.widened_copy(rows, cols);
+            v.widen_into(rows, cols, dst);
             Mat {
-                data: &buf[..],
+                data: dst,
                 off: 0,
                 rs: cols,
                 cs: 1,

@@ -18,14 +18,14 @@ impl<'a, T: Copy> Mat<'a, T> {
         self.data[self.off + i * self.rs + j * self.cs]
     }
 
-    /// The view as a contiguous row-major f32 copy.
-    pub(crate) fn widened_copy(&self, rows: usize, cols: usize) -> Vec<f32>
+    /// Writes the view into `out` (`rows * cols` values) as row-major f32.
+    pub(crate) fn widen_into(&self, rows: usize, cols: usize, out: &mut [f32])
     where
         T: Elem + Vx,
     {
-        let mut out = vec![0f32; rows * cols];
+        debug_assert_eq!(out.len(), rows * cols);
         if self.cs == 1 && (self.rs == cols || rows == 1) {
-            convert(&self.data[self.off..self.off + rows * cols], &mut out);
+            convert(&self.data[self.off..self.off + rows * cols], out);
         } else if self.cs == 1 {
             for i in 0..rows {
                 let s = self.off + i * self.rs;
@@ -38,6 +38,5 @@ impl<'a, T: Copy> Mat<'a, T> {
                 }
             }
         }
-        out
     }
 }

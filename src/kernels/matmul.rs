@@ -181,7 +181,7 @@ fn bmm(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Tensor> {
 /// ```
 pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let cpu = a.device().is_cpu() && b.device().is_cpu();
-    if !(cpu && a.dtype() == b.dtype() && supported(a.dtype()) && a.rank() >= 2 && b.rank() >= 2) {
+    if !(super::enabled() && cpu && a.dtype() == b.dtype() && supported(a.dtype()) && a.rank() >= 2 && b.rank() >= 2) {
         return if a.rank() == b.rank() {
             a.matmul(b)
         } else {
@@ -409,7 +409,7 @@ impl CustomOp3 for Linear {
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let same = x.dtype() == w.dtype() && b.is_none_or(|b| b.dtype() == x.dtype());
     let cpu = x.device().is_cpu() && w.device().is_cpu() && b.is_none_or(|b| b.device().is_cpu());
-    if !(same && cpu && supported(x.dtype()) && x.rank() >= 1 && w.rank() == 2) {
+    if !(super::enabled() && same && cpu && supported(x.dtype()) && x.rank() >= 1 && w.rank() == 2) {
         let y = x.broadcast_matmul(&w.t()?)?;
         return match b {
             Some(b) => y.broadcast_add(b),

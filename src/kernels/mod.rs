@@ -15,9 +15,13 @@
 //!   where the CPU has them), as custom ops with their own backward; `linear` fuses the bias
 //!   and, in its backward, the bias gradient;
 //! * [`relu`] and [`gelu`]: activations with one-pass backwards (GELU in f32 arithmetic);
+//! * [`layer_norm`] and [`rms_norm`]: normalisation as one op, statistics and affine
+//!   transform in f32, weight and bias gradients fused (Apex's FusedLayerNorm);
 //! * [`adamw`]: the fused AdamW update of an f32 master, its moments and its half copy.
 //!
 //! [`force_isa`] caps the instruction set (tests check every path against the portable one).
+//! [`plain`] switches them off on the current thread: every entry point then runs the plain
+//! candle ops it replaces (the baseline the kernels are tested and benchmarked against).
 
 #[cfg(target_arch = "x86_64")]
 mod amx;
@@ -30,6 +34,7 @@ mod gemm;
 mod isa;
 mod mat;
 mod matmul;
+mod norm;
 mod relu;
 mod simd;
 pub(crate) mod slices;
@@ -39,6 +44,7 @@ pub use cast::{cast, cast_into};
 pub use gelu::gelu;
 pub use isa::Isa;
 pub use matmul::{linear, matmul};
+pub use norm::{layer_norm, rms_norm};
 pub use relu::relu;
 pub use slices::{AdamWStep, HalfOut, adamw};
 pub use unscale::unscale_check_into;
@@ -57,4 +63,50 @@ pub fn detected_isa() -> Isa {
 /// cap. Meant for checking the fallbacks against the vector paths.
 pub fn force_isa(isa: Option<Isa>) {
     isa::force(isa)
+}
+
+thread_local! {
+    /// Open [`plain`] guards on this thread.
+    static PLAIN: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Whether the kernels run on this thread: true unless a [`plain`] guard is open here.
+pub fn enabled() -> bool {
+    PLAIN.with(|p| p.get() == 0)
+}
+
+/// Switches the kernels off on this thread until the returned guard drops (guards nest).
+///
+/// While it is open, [`cast`], [`matmul`], [`linear`], [`relu`], [`gelu`], [`layer_norm`],
+/// [`rms_norm`] and the guard's unscale-and-check stage run the candle ops they replace
+/// (`to_dtype`, `matmul`, `broadcast_matmul` + `broadcast_add`, `relu`, `gelu_erf`, tensor
+/// arithmetic), so a model
+/// can be compared with and without them. The choice is made when an op is recorded: a
+/// backward runs whatever the forward recorded. The optimizers' fused update has its own
+/// switch (`fused` in [`crate::optim::AdamWConfig`] and [`crate::optim::SgdConfig`]).
+///
+/// ```
+/// use candle_amp::kernels;
+/// assert!(kernels::enabled());
+/// {
+///     let _plain = kernels::plain();
+///     assert!(!kernels::enabled());
+/// }
+/// assert!(kernels::enabled());
+/// ```
+pub fn plain() -> Plain {
+    PLAIN.with(|p| p.set(p.get() + 1));
+    Plain(std::marker::PhantomData)
+}
+
+/// The guard [`plain`] returns; the kernels come back on this thread when the last one drops.
+/// It stays on the thread that made it (not `Send`).
+#[must_use = "the kernels are off only while the guard is alive"]
+#[derive(Debug)]
+pub struct Plain(std::marker::PhantomData<*const ()>);
+
+impl Drop for Plain {
+    fn drop(&mut self) {
+        PLAIN.with(|p| p.set(p.get().saturating_sub(1)));
+    }
 }

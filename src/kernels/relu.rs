@@ -145,7 +145,7 @@ impl CustomOp2 for ReluGrad {
 /// # Ok(()) }
 /// ```
 pub fn relu(x: &Tensor) -> Result<Tensor> {
-    if !(x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)) {
+    if !(super::enabled() && x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)) {
         return x.relu();
     }
     let x = x.contiguous()?;

@@ -43,7 +43,9 @@ pub(crate) fn unscale_check(raw: &Tensor, scale: f32, check: bool) -> Result<(Te
     // kept from it across steps would keep every step's graph alive.
     let raw = raw.detach().contiguous()?;
     let u = Unscale::new(scale);
-    let cpu = {
+    let cpu = if !super::enabled() {
+        None
+    } else {
         let (storage, layout) = raw.storage_and_layout();
         match (&*storage, layout.contiguous_offsets()) {
             (Storage::Cpu(cs), Some((a, b))) => {
@@ -56,7 +58,7 @@ pub(crate) fn unscale_check(raw: &Tensor, scale: f32, check: bool) -> Result<(Te
     if let Some((out, bad)) = cpu {
         return Ok((Tensor::from_vec(out, raw.shape(), raw.device())?, check && bad));
     }
-    // Other devices: the same arithmetic with tensor ops.
+    // Other devices (and the plain path): the same arithmetic with tensor ops.
     let g = raw.to_dtype(DType::F32)?;
     let v = match u {
         Unscale::Identity => g,

@@ -327,40 +327,20 @@ pub fn log_softmax(x: &Tensor, dim: usize) -> Result<Tensor> {
     float_op("log_softmax", x, |x| log_softmax_f32(x, dim))
 }
 
-fn affine_last(y: Tensor, w: Option<&Tensor>, b: Option<&Tensor>) -> Result<Tensor> {
-    let y = match w {
-        Some(w) => y.broadcast_mul(&w.to_dtype(y.dtype())?)?,
-        None => y,
-    };
-    match b {
-        Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?),
-        None => Ok(y),
-    }
-}
-
-/// Layer normalisation over the last dimension, differentiable, statistics in f32 (candle's
-/// fused `layer_norm` has no backward).
+/// Layer normalisation over the last dimension, differentiable, statistics and the affine
+/// transform in f32 (candle's fused `layer_norm` has no backward), as one op
+/// ([`kernels::layer_norm`]). The result is f32 under autocast (the Float list), else the
+/// input's type; `w` and `b` may be of another float type than `x`.
 pub fn layer_norm(x: &Tensor, w: Option<&Tensor>, b: Option<&Tensor>, eps: f64) -> Result<Tensor> {
-    let orig = x.dtype();
-    let (xs, on) = prepare("layer_norm", &[x])?;
-    let x32 = to_f32(&xs[0])?;
-    let mean = x32.mean_keepdim(D::Minus1)?;
-    let c = x32.broadcast_sub(&mean)?;
-    let var = c.sqr()?.mean_keepdim(D::Minus1)?;
-    let y = c.broadcast_div(&(var + eps)?.sqrt()?)?;
-    let y = back_to(y, orig, on)?;
-    affine_last(y, w, b)
+    let (xs, _) = prepare("layer_norm", &[x])?;
+    kernels::layer_norm(&xs[0], w, b, eps)
 }
 
-/// RMS normalisation over the last dimension, differentiable, statistics in f32.
+/// RMS normalisation over the last dimension, differentiable, statistics in f32, as one op
+/// ([`kernels::rms_norm`]); result types as [`layer_norm`].
 pub fn rms_norm(x: &Tensor, w: Option<&Tensor>, eps: f64) -> Result<Tensor> {
-    let orig = x.dtype();
-    let (xs, on) = prepare("rms_norm", &[x])?;
-    let x32 = to_f32(&xs[0])?;
-    let ms = x32.sqr()?.mean_keepdim(D::Minus1)?;
-    let y = x32.broadcast_div(&(ms + eps)?.sqrt()?)?;
-    let y = back_to(y, orig, on)?;
-    affine_last(y, w, None)
+    let (xs, _) = prepare("rms_norm", &[x])?;
+    kernels::rms_norm(&xs[0], w, eps)
 }
 
 /// Group normalisation of `(N, C, ...)` input into `groups` groups, statistics in f32, with
