@@ -336,8 +336,9 @@ impl Checkpoint {
             amp.store().write_f32(name, &t.to_dtype(DType::F32)?)?;
         }
         amp.restore_run_state(&self.amp);
-        for (o, s) in optimizers.iter_mut().zip(&states) {
-            o.load_state_dict(s)?;
+        // By value: each saved buffer is freed as the optimizer takes it in.
+        for (o, s) in optimizers.iter_mut().zip(states) {
+            o.load_state(s)?;
         }
         Ok(())
     }

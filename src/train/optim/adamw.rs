@@ -202,4 +202,17 @@ impl Optimizer for AdamW {
         self.state = new;
         Ok(())
     }
+
+    fn load_state(&mut self, mut state: OptimizerState) -> Result<()> {
+        self.check_state(&state)?;
+        let mut new = BTreeMap::new();
+        // Each saved buffer is freed as soon as its copy is taken.
+        for (name, ps) in std::mem::take(&mut state.params) {
+            let slots = Slots::from_state(&ps, &BUFS, &name)?;
+            drop(ps);
+            new.insert(name, slots);
+        }
+        self.state = new;
+        Ok(())
+    }
 }

@@ -761,15 +761,29 @@ impl AmpOptimizer {
     /// names in the same order (add them before loading). Gradients accumulated so far are
     /// dropped.
     pub fn load_state_dict(&mut self, state: &AmpOptimizerState) -> Result<()> {
-        self.check_state(state)?;
-        self.algo.load_state_dict(&state.algorithm)?;
+        // Cloning shares the tensors' storage: no copy.
+        self.load_state(state.clone())
+    }
+
+    /// [`load_state_dict`](Self::load_state_dict) by value: the algorithm frees each saved
+    /// buffer as it takes it in ([`Optimizer::load_state`]).
+    pub(crate) fn load_state(&mut self, state: AmpOptimizerState) -> Result<()> {
+        self.check_state(&state)?;
+        let AmpOptimizerState {
+            algorithm,
+            groups,
+            steps,
+            skipped_steps,
+            consecutive_skips,
+        } = state;
+        self.algo.load_state(algorithm)?;
         self.zero_grad();
-        for (g, (_, h)) in self.groups.iter_mut().zip(&state.groups) {
+        for (g, (_, h)) in self.groups.iter_mut().zip(&groups) {
             g.hyper = *h;
         }
-        self.steps = state.steps;
-        self.skipped = state.skipped_steps;
-        self.consecutive_skips = state.consecutive_skips;
+        self.steps = steps;
+        self.skipped = skipped_steps;
+        self.consecutive_skips = consecutive_skips;
         Ok(())
     }
 }

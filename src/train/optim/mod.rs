@@ -186,6 +186,14 @@ pub trait Optimizer: Send {
     /// Restores state produced by [`state_dict`](Optimizer::state_dict).
     fn load_state_dict(&mut self, state: &OptimizerState) -> Result<()>;
 
+    /// [`load_state_dict`](Optimizer::load_state_dict) taking the state by value, so an
+    /// implementation can free each saved buffer as it takes it in (restoring a checkpoint
+    /// then needs about one parameter's state beyond the restored run, not a second copy of
+    /// all of it). The default calls `load_state_dict`.
+    fn load_state(&mut self, state: OptimizerState) -> Result<()> {
+        self.load_state_dict(&state)
+    }
+
     /// Checks, without changing anything, that `state` would load: by default that it was
     /// saved by an algorithm of the same name. Implementations add their own checks (required
     /// buffers) so that a checkpoint fails before anything is restored.

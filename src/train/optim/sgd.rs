@@ -198,4 +198,18 @@ impl Optimizer for Sgd {
         self.state = new;
         Ok(())
     }
+
+    fn load_state(&mut self, mut state: OptimizerState) -> Result<()> {
+        self.check_state(&state)?;
+        let mut new = BTreeMap::new();
+        // Each saved buffer is freed as soon as its copy is taken.
+        for (name, ps) in std::mem::take(&mut state.params) {
+            let names: &[&'static str] = if ps.buffers.contains_key(BUF[0]) { &BUF } else { &[] };
+            let slots = Slots::from_state(&ps, names, &name)?;
+            drop(ps);
+            new.insert(name, slots);
+        }
+        self.state = new;
+        Ok(())
+    }
 }
