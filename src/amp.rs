@@ -116,6 +116,7 @@ impl Amp {
         AutocastPolicy {
             enabled: self.run.props.patch_functions,
             context: self.run.casts.clone(),
+            transparent: false,
         }
     }
 
@@ -349,6 +350,11 @@ impl Amp {
     }
 
     /// The resolved properties.
+    pub(crate) fn run(&self) -> &Arc<RunState> {
+        &self.run
+    }
+
+    /// The resolved properties.
     pub fn properties(&self) -> &Properties {
         &self.run.props
     }
@@ -369,7 +375,14 @@ impl Amp {
     /// handle; their parameter names must not clash (use `vb.pp("gen")` etc.).
     pub fn model<M>(&self, build: impl FnOnce(VarBuilder<'static>) -> candle_core::Result<M>) -> Result<AmpModel<M>> {
         let inner = build(self.var_builder())?;
-        let policy = self.run.props.patch_functions.then(|| self.autocast_policy());
+        // At O1 the forward runs in the run's autocast policy; at the other levels in a
+        // transparent run scope, which only makes the run's context (its batch-norm process
+        // group) reachable from the layers.
+        let policy = if self.run.props.patch_functions {
+            self.autocast_policy()
+        } else {
+            AutocastPolicy::run_scope(self.run.casts.clone())
+        };
         Ok(AmpModel::new(inner, &self.run.props, policy))
     }
 

@@ -128,9 +128,48 @@ pub enum AmpError {
         detail: String,
     },
 
+    /// Data-parallel training failed on this rank: the ranks disagree (model, opt level,
+    /// buffer lengths), another rank never answered, or the backend failed. Every rank of the
+    /// group gets an error; none is left waiting.
+    #[error("data parallel, rank {rank}: {kind}: {detail}")]
+    Distributed {
+        /// The rank that reports it.
+        rank: usize,
+        /// What kind of problem.
+        kind: DistErrorKind,
+        /// The details and what to do.
+        detail: String,
+    },
+
     /// An error from candle.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+}
+
+/// Kinds of [`AmpError::Distributed`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DistErrorKind {
+    /// The ranks disagree: parameter names or shapes, opt level, half type, or the
+    /// collective or buffer length they called with.
+    Mismatch,
+    /// Another rank did not reach a collective within the timeout (it failed or stopped).
+    Timeout,
+    /// The communication backend failed (or the group failed earlier).
+    Backend,
+    /// The program was not started by a launcher (`mpirun`).
+    NotLaunched,
+}
+
+impl std::fmt::Display for DistErrorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DistErrorKind::Mismatch => "ranks disagree",
+            DistErrorKind::Timeout => "timed out",
+            DistErrorKind::Backend => "backend error",
+            DistErrorKind::NotLaunched => "not launched",
+        })
+    }
 }
 
 /// What made a call out of order ([`AmpError::CallOrder`]).
@@ -151,6 +190,9 @@ pub enum CallOrderKind {
     AlreadyUnscaled,
     /// `GradScaler`: `update` with no inf check recorded since the last one.
     NothingRecorded,
+    /// A backward after the step's gradients were already averaged across processes (by
+    /// `clip_grad_norm` or `GradScaler::unscale` under data parallel): step first.
+    AlreadyReduced,
 }
 
 /// Kinds of [`AmpError::Checkpoint`].

@@ -43,6 +43,8 @@
 
 mod amp;
 pub mod checkpoint;
+mod comm;
+pub mod dist;
 mod error;
 mod files;
 pub mod kernels;
@@ -53,7 +55,7 @@ mod serde_f32;
 mod train;
 
 pub use amp::{Amp, AmpState, LoadReport, initialize, initialize_on};
-pub use error::{AmpError, CallOrderKind, CheckpointErrorKind, Result};
+pub use error::{AmpError, CallOrderKind, CheckpointErrorKind, DistErrorKind, Result};
 pub use precision::model::AmpModel;
 pub use precision::opt_level::{AmpConfig, HalfType, OptLevel, Properties};
 pub use precision::store::{LoadMode, Param, ParamKind, ParamStore};

@@ -6,8 +6,21 @@
 //! at O3 they come back half and the affine part runs in half. Statistics are always
 //! computed in f32 (f16 reductions lose precision) and the running statistics are f32
 //! buffers that never get gradients.
+//!
+//! Under data parallel with synchronised batch norm switched on
+//! (`dist::DataParallel::sync_batch_norm`), training statistics are computed over every
+//! rank's batch: per-channel sums all-reduced in f32, and a backward that all-reduces the two
+//! per-channel sums the input gradient needs (PyTorch's `SyncBatchNorm`, Apex's
+//! `convert_syncbn_model`). The forward must run inside the run's scope (`AmpModel`'s forward
+//! enters it).
 
-use candle_core::{DType, Result, Tensor, Var};
+use std::sync::{Arc, Mutex};
+
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, Var};
+
+use candle_core::backend::BackendStorage;
+
+use crate::comm::Communicator;
 use candle_nn::{BatchNormConfig, Init, ModuleT, VarBuilder};
 
 /// Batch normalisation over dimension 1 of an input of rank >= 2.
@@ -108,6 +121,12 @@ impl BatchNorm {
         }
         // Per-channel statistics over every dimension but 1.
         let xt = x.transpose(0, 1)?.flatten_from(1)?.contiguous()?;
+        if let Some(group) = crate::precision::autocast::sync_group() {
+            if sdt != DType::F32 {
+                candle_core::bail!("synchronised batch norm computes in f32; an {sdt:?} model cannot use it")
+            }
+            return self.normalise_synced(&x, &xt, group);
+        }
         let n = xt.dim(1)? as f64;
         let (centred, mean_b) = if self.remove_mean {
             let mean = xt.mean_keepdim(1)?;
@@ -130,6 +149,162 @@ impl BatchNorm {
             None => x,
         };
         x.broadcast_div(&(var.reshape(shape.as_slice())? + self.eps)?.sqrt()?)
+    }
+}
+
+impl BatchNorm {
+    /// Training-mode normalisation with statistics over every rank's batch (synchronised
+    /// batch norm): `xt` is the f32 input as `(C, everything else)`; the result has `x`'s
+    /// layout. The running statistics get the global mean and unbiased variance, so they are
+    /// the same on every rank.
+    fn normalise_synced(&self, x: &Tensor, xt: &Tensor, group: Arc<dyn Communicator>) -> Result<Tensor> {
+        let stats = Arc::new(Mutex::new(None));
+        let op = SyncNorm {
+            group,
+            eps: self.eps,
+            remove_mean: self.remove_mean,
+            stats: stats.clone(),
+        };
+        let yt = if xt.track_op() {
+            xt.apply_op1(op)?
+        } else {
+            xt.apply_op1_no_bwd(&op)?
+        };
+        let st = stats
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or_else(|| candle_core::Error::Msg("synchronised batch norm: no statistics".into()))?;
+        let n = st.count;
+        let unbiased = if n > 1.0 { n / (n - 1.0) } else { 1.0 };
+        let m = self.momentum;
+        let dev = x.device();
+        if self.remove_mean {
+            let rm = self.running_mean.as_tensor();
+            let mean = Tensor::from_vec(st.mean, rm.dims(), dev)?.to_dtype(rm.dtype())?;
+            self.running_mean.set(&((rm * (1.0 - m))? + (mean * m)?)?)?;
+        }
+        let rv = self.running_var.as_tensor();
+        let var = Tensor::from_vec(st.var, rv.dims(), dev)?.to_dtype(rv.dtype())?;
+        self.running_var.set(&((rv * (1.0 - m))? + (var * (m * unbiased))?)?)?;
+        let mut dims = x.dims().to_vec();
+        dims.swap(0, 1);
+        yt.reshape(dims)?.transpose(0, 1)
+    }
+}
+
+/// Global statistics of one synchronised forward, per channel.
+#[derive(Debug, Clone)]
+struct SyncStats {
+    mean: Vec<f32>,
+    /// Biased variance (the normalisation's).
+    var: Vec<f32>,
+    rstd: Vec<f32>,
+    /// Values per channel over every rank.
+    count: f64,
+}
+
+/// Normalises `(C, M)` f32 rows with statistics all-reduced over the group; its backward
+/// all-reduces the two per-channel sums the input gradient needs (PyTorch's SyncBatchNorm).
+struct SyncNorm {
+    group: Arc<dyn Communicator>,
+    eps: f64,
+    remove_mean: bool,
+    stats: Arc<Mutex<Option<SyncStats>>>,
+}
+
+fn comm_err(e: crate::AmpError) -> candle_core::Error {
+    candle_core::Error::Msg(format!("synchronised batch norm: {e}"))
+}
+
+impl CustomOp1 for SyncNorm {
+    fn name(&self) -> &'static str {
+        "amp-sync-batch-norm"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (a, b) = l
+            .contiguous_offsets()
+            .ok_or_else(|| candle_core::Error::Msg("synchronised batch norm: non-contiguous input".into()))?;
+        let CpuStorage::F32(v) = s else {
+            candle_core::bail!("synchronised batch norm: f32 statistics expected, got {:?}", s.dtype())
+        };
+        let (c, m) = l.shape().dims2()?;
+        let x = &v[a..b];
+        // Pass 1: the global count and mean (per-channel sums in f64 here, f32 on the wire).
+        let mut buf: Vec<f32> = (0..c)
+            .map(|i| x[i * m..(i + 1) * m].iter().map(|&v| v as f64).sum::<f64>() as f32)
+            .chain([m as f32])
+            .collect();
+        if !self.remove_mean {
+            buf[..c].fill(0.0);
+        }
+        self.group.all_reduce_sum(&mut buf).map_err(comm_err)?;
+        let count = buf[c] as f64;
+        let mean: Vec<f32> = buf[..c].iter().map(|s| (*s as f64 / count) as f32).collect();
+        // Pass 2: the global biased variance around the global mean.
+        let mut sq: Vec<f32> = (0..c)
+            .map(|i| {
+                x[i * m..(i + 1) * m]
+                    .iter()
+                    .map(|&v| {
+                        let d = v as f64 - mean[i] as f64;
+                        d * d
+                    })
+                    .sum::<f64>() as f32
+            })
+            .collect();
+        self.group.all_reduce_sum(&mut sq).map_err(comm_err)?;
+        let var: Vec<f32> = sq.iter().map(|s| (*s as f64 / count) as f32).collect();
+        let rstd: Vec<f32> = var
+            .iter()
+            .map(|v| (1.0 / (*v as f64 + self.eps).sqrt()) as f32)
+            .collect();
+        let mut out = vec![0f32; c * m];
+        for i in 0..c {
+            for (o, &xv) in out[i * m..(i + 1) * m].iter_mut().zip(&x[i * m..(i + 1) * m]) {
+                *o = (xv - mean[i]) * rstd[i];
+            }
+        }
+        *self.stats.lock().unwrap_or_else(|p| p.into_inner()) = Some(SyncStats { mean, var, rstd, count });
+        Ok((CpuStorage::F32(out), l.shape().clone()))
+    }
+
+    fn bwd(&self, _arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let st = self
+            .stats
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or_else(|| candle_core::Error::Msg("synchronised batch norm: backward before forward".into()))?;
+        let (c, m) = res.dims2()?;
+        let xhat = res.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let g = grad.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        // The two per-channel sums the input gradient needs, over every rank's batch.
+        let mut sums: Vec<f32> = (0..c)
+            .map(|i| g[i].iter().map(|&v| v as f64).sum::<f64>() as f32)
+            .chain((0..c).map(|i| {
+                g[i].iter()
+                    .zip(&xhat[i])
+                    .map(|(&a, &b)| a as f64 * b as f64)
+                    .sum::<f64>() as f32
+            }))
+            .collect();
+        self.group.all_reduce_sum(&mut sums).map_err(comm_err)?;
+        let n = st.count as f32;
+        let mut dx = Vec::with_capacity(c * m);
+        for i in 0..c {
+            let mg = if self.remove_mean { sums[i] / n } else { 0.0 };
+            let mgh = sums[c + i] / n;
+            dx.extend(
+                g[i].iter()
+                    .zip(&xhat[i])
+                    .map(|(&gv, &h)| st.rstd[i] * (gv - mg - h * mgh)),
+            );
+        }
+        Ok(Some(
+            Tensor::from_vec(dx, (c, m), res.device())?.to_dtype(grad.dtype())?,
+        ))
     }
 }
 

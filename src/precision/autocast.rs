@@ -33,6 +33,7 @@ use candle_core::{DType, Tensor, TensorId};
 
 use super::cast_lists::builtin_policy;
 pub use super::cast_lists::{CAST_LISTS, CastPolicy};
+use crate::comm::Communicator;
 use crate::kernels::{self, fingerprint::fingerprint};
 
 /// Per-run autocast state: the cast cache, registrations and counters. Owned by an
@@ -46,6 +47,8 @@ pub(crate) struct CastContext {
     cache_hits: AtomicUsize,
     last_half_ops: AtomicUsize,
     warned_no_ops: AtomicBool,
+    /// The process group batch norm synchronises over (data parallel), if switched on.
+    sync: RwLock<Option<Arc<dyn Communicator>>>,
 }
 
 impl std::fmt::Debug for CastContext {
@@ -69,12 +72,22 @@ impl CastContext {
             cache_hits: AtomicUsize::new(0),
             last_half_ops: AtomicUsize::new(0),
             warned_no_ops: AtomicBool::new(false),
+            sync: RwLock::new(None),
         }
     }
 
     /// The half type.
     pub(crate) fn half(&self) -> DType {
         self.half
+    }
+
+    /// Makes `crate::nn::BatchNorm` compute training statistics over `group` (or locally).
+    pub(crate) fn set_sync_group(&self, group: Option<Arc<dyn Communicator>>) {
+        *self.sync.write().unwrap_or_else(|p| p.into_inner()) = group;
+    }
+
+    fn sync_group(&self) -> Option<Arc<dyn Communicator>> {
+        self.sync.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Registers (or overrides) an op name's policy for this run: a user function called
@@ -180,12 +193,29 @@ pub(crate) fn eligible(dt: DType) -> bool {
 pub struct AutocastPolicy {
     pub(crate) enabled: bool,
     pub(crate) context: Arc<CastContext>,
+    /// A run scope that leaves autocast as the scopes below it set it: it only makes the
+    /// run's context (its batch-norm process group) reachable. `AmpModel` enters one at the
+    /// levels that do not autocast.
+    pub(crate) transparent: bool,
 }
 
 impl AutocastPolicy {
     /// An enabled policy over `context`.
     pub(crate) fn new(context: Arc<CastContext>) -> Self {
-        Self { enabled: true, context }
+        Self {
+            enabled: true,
+            context,
+            transparent: false,
+        }
+    }
+
+    /// A transparent run scope over `context` (see the field).
+    pub(crate) fn run_scope(context: Arc<CastContext>) -> Self {
+        Self {
+            enabled: false,
+            context,
+            transparent: true,
+        }
     }
 
     /// The half type this policy casts to.
@@ -278,6 +308,7 @@ pub fn disable() -> AutocastGuard {
         Some(p) => enter(AutocastPolicy {
             enabled: false,
             context: p.context,
+            transparent: false,
         }),
         None => AutocastGuard {
             id: None,
@@ -294,17 +325,31 @@ pub fn disabled<R>(f: impl FnOnce() -> R) -> R {
 
 /// This thread's policy, if a scope is open.
 pub fn current() -> Option<AutocastPolicy> {
-    SCOPES.with(|s| s.borrow().last().map(|(_, p)| p.clone()))
+    SCOPES.with(|s| {
+        s.borrow()
+            .iter()
+            .rev()
+            .find(|(_, p)| !p.transparent)
+            .map(|(_, p)| p.clone())
+    })
 }
 
 /// The context of this thread's policy when autocast is enabled.
 pub(crate) fn active() -> Option<Arc<CastContext>> {
     SCOPES.with(|s| {
         s.borrow()
-            .last()
+            .iter()
+            .rev()
+            .find(|(_, p)| !p.transparent)
             .filter(|(_, p)| p.enabled)
             .map(|(_, p)| p.context.clone())
     })
+}
+
+/// The batch-norm process group of the innermost open run that has one (data parallel with
+/// synchronised batch norm).
+pub(crate) fn sync_group() -> Option<Arc<dyn Communicator>> {
+    SCOPES.with(|s| s.borrow().iter().rev().find_map(|(_, p)| p.context.sync_group()))
 }
 
 /// Whether autocast is enabled on this thread.

@@ -46,24 +46,25 @@ pub struct AmpModel<M> {
     input_dtype: Option<DType>,
     output_dtype: Option<DType>,
     training: AtomicBool,
-    autocast: Option<AutocastPolicy>,
+    /// The run's policy: enabled at O1, a transparent run scope at the other levels.
+    policy: AutocastPolicy,
 }
 
 impl<M> AmpModel<M> {
-    pub(crate) fn new(inner: M, props: &Properties, autocast: Option<AutocastPolicy>) -> Self {
+    pub(crate) fn new(inner: M, props: &Properties, policy: AutocastPolicy) -> Self {
         Self {
             inner,
             input_dtype: props.cast_model_type,
             output_dtype: props.output_dtype(),
             training: AtomicBool::new(true),
-            autocast,
+            policy,
         }
     }
 
     /// Enters the run's autocast policy (O1) on this thread until the guard drops; `None`
     /// at levels that do not autocast.
     pub fn autocast(&self) -> Option<AutocastGuard> {
-        self.autocast.as_ref().map(|p| p.enter())
+        (!self.policy.transparent).then(|| self.policy.enter())
     }
 
     /// The wrapped model.
@@ -129,7 +130,9 @@ impl<M: ModuleT> AmpModel<M> {
 impl<M: ModuleT> ModuleT for AmpModel<M> {
     fn forward_t(&self, xs: &Tensor, train: bool) -> candle_core::Result<Tensor> {
         let x = self.cast_input(xs)?;
-        let _scope = self.autocast();
+        // The run's scope: autocast at O1; elsewhere only the run's context (batch norm's
+        // process group under data parallel).
+        let _scope = self.policy.enter();
         let y = self.inner.forward_t(&x, train)?;
         self.cast_output(&y)
     }

@@ -217,6 +217,10 @@ impl GradScaler {
             self.check_ready(opt, "unscale")?;
         }
         self.add(opt, grads)?;
+        // Under data parallel, average the step's gradients and combine the overflow flags
+        // now, so that clipping after `unscale` and the skip decision see the same values on
+        // every process.
+        opt.reduce_step()?;
         let found_inf = self.enabled && opt.external_found_inf();
         self.stages.insert(opt.id(), (Stage::Unscaled, found_inf));
         Ok(())

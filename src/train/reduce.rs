@@ -1,7 +1,9 @@
 //! The data-parallel extension point: stage 2 of the backward pipeline.
 
-use candle_core::Var;
+use std::collections::BTreeMap;
+
 use candle_core::backprop::GradStore;
+use candle_core::{Tensor, Var};
 
 use crate::error::Result;
 
@@ -18,4 +20,30 @@ pub trait GradReducer: Send + Sync {
     fn reduce_found_inf(&self, found_inf: bool) -> Result<bool> {
         Ok(found_inf)
     }
+}
+
+/// The once-per-step reduction: a hook that sees an optimizer's accumulated, unscaled f32
+/// master gradients and its overflow flags once per optimizer step, after the last
+/// micro-batch and before anything reads them (`clip_grad_norm`, `GradScaler::unscale`,
+/// the update itself). Data-parallel training averages gradients here, once per step
+/// whatever the number of micro-batches (PyTorch's `no_sync`), and combines the overflow
+/// flags so that every process skips the same steps. Installed by
+/// `dist::DataParallel::new`.
+pub trait StepReducer: Send + Sync {
+    /// Reduces `step` in place.
+    fn reduce_step(&self, step: StepGrads<'_>) -> Result<()>;
+}
+
+/// What a [`StepReducer`] gets for one optimizer step.
+#[derive(Debug)]
+pub struct StepGrads<'a> {
+    /// Every parameter the optimizer trains, sorted by name, with its shape: the same list on
+    /// every process (a parameter without a gradient here is still listed).
+    pub params: Vec<(String, Vec<usize>)>,
+    /// The accumulated f32 master gradients by name; a parameter that got no gradient is
+    /// absent. The reducer replaces them (and may add absent ones).
+    pub grads: &'a mut BTreeMap<String, Tensor>,
+    /// Overflow flags, one per scaling round in a fixed order (the run's losses, then the
+    /// `GradScaler` round); the reducer ORs them across processes.
+    pub found_inf: &'a mut [bool],
 }

@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::reduce::GradReducer;
+use super::reduce::{GradReducer, StepReducer};
 use super::rng::Generator;
 use crate::error::{AmpError, Result};
 use crate::precision::autocast::CastContext;
@@ -25,6 +25,7 @@ pub(crate) struct RunState {
     pub store: ParamStore,
     scalers: Mutex<Vec<ScalerSlot>>,
     reducer: Mutex<Option<Arc<dyn GradReducer>>>,
+    step_reducer: Mutex<Option<Arc<dyn StepReducer>>>,
     /// The live optimizers' claims (which trainable parameters each owns), by optimizer id.
     claims: Mutex<BTreeMap<usize, Filter>>,
     generators: Mutex<BTreeMap<String, Generator>>,
@@ -47,6 +48,7 @@ impl RunState {
             store,
             scalers: Mutex::new(scalers),
             reducer: Mutex::new(None),
+            step_reducer: Mutex::new(None),
             claims: Mutex::new(BTreeMap::new()),
             generators: Mutex::new(BTreeMap::new()),
             casts,
@@ -68,6 +70,15 @@ impl RunState {
 
     pub(crate) fn set_reducer(&self, reducer: Option<Arc<dyn GradReducer>>) {
         *lock(&self.reducer) = reducer;
+    }
+
+    /// The installed once-per-step reducer, if any.
+    pub(crate) fn step_reducer(&self) -> Option<Arc<dyn StepReducer>> {
+        lock(&self.step_reducer).clone()
+    }
+
+    pub(crate) fn set_step_reducer(&self, reducer: Option<Arc<dyn StepReducer>>) {
+        *lock(&self.step_reducer) = reducer;
     }
 
     /// The generator called `name`, created from the run's seed and the name on first use.

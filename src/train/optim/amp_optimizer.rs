@@ -137,6 +137,8 @@ pub struct AmpOptimizer {
     found_inf: BTreeMap<Round, bool>,
     nonfinite: BTreeSet<String>,
     micro_batches: u32,
+    /// Whether this step's gradients went through the run's step reducer already.
+    reduced: bool,
     steps: u64,
     skipped: u64,
     consecutive_skips: u32,
@@ -188,6 +190,7 @@ impl AmpOptimizer {
             found_inf: BTreeMap::new(),
             nonfinite: BTreeSet::new(),
             micro_batches: 0,
+            reduced: false,
             steps: 0,
             skipped: 0,
             consecutive_skips: 0,
@@ -420,6 +423,14 @@ impl AmpOptimizer {
 
     /// Refuses gradients after a step without `zero_grad`; `call` names the caller.
     pub(crate) fn check_can_backward(&self, call: &'static str) -> Result<()> {
+        if self.reduced && self.stage == Stage::HasGrads {
+            return Err(AmpError::call_order(
+                call,
+                CallOrderKind::AlreadyReduced,
+                "this step's gradients were already averaged across processes (clip_grad_norm or \
+                 GradScaler::unscale ran): a further backward would be added to the average; step() first",
+            ));
+        }
         if self.stage == Stage::Stepped {
             return Err(AmpError::call_order(
                 call,
@@ -500,11 +511,56 @@ impl AmpOptimizer {
         Ok(())
     }
 
+    /// Runs the run's step reducer (data parallel) over this step's gradients, once: the
+    /// first of `step`, `clip_grad_norm` and `GradScaler::unscale` does it. Every process
+    /// then holds the same gradients and the same overflow flags. Nothing changes on an error.
+    pub(crate) fn reduce_step(&mut self) -> Result<()> {
+        if self.reduced || self.stage != Stage::HasGrads {
+            return Ok(());
+        }
+        let Some(reducer) = self.run.step_reducer() else {
+            return Ok(());
+        };
+        let mut params: Vec<(String, Vec<usize>)> = self
+            .owned()
+            .into_iter()
+            .map(|(_, p)| (p.name().to_string(), p.working().dims().to_vec()))
+            .collect();
+        params.sort();
+        // One flag per scaling round, in a fixed order: the run's losses, then GradScaler's.
+        let n = self.run.props.num_losses;
+        let mut flags: Vec<bool> = (0..n)
+            .map(|i| self.found_inf.get(&Round::Loss(i)).copied().unwrap_or(false))
+            .chain([self.found_inf.get(&Round::External).copied().unwrap_or(false)])
+            .collect();
+        let mut grads = self.grads.clone();
+        reducer.reduce_step(crate::train::reduce::StepGrads {
+            params,
+            grads: &mut grads,
+            found_inf: &mut flags,
+        })?;
+        self.grads = grads;
+        let any = flags.iter().any(|&b| b);
+        for (i, inf) in flags.into_iter().enumerate() {
+            let round = if i < n { Round::Loss(i) } else { Round::External };
+            if let Some(f) = self.found_inf.get_mut(&round) {
+                *f = inf;
+            }
+        }
+        // Another process overflowed in a round this one did not run: skip here too.
+        if any && !self.found_inf.values().any(|&b| b) {
+            self.found_inf.values_mut().for_each(|f| *f = true);
+        }
+        self.reduced = true;
+        Ok(())
+    }
+
     fn clear_grads(&mut self) {
         self.grads.clear();
         self.found_inf.clear();
         self.nonfinite.clear();
         self.micro_batches = 0;
+        self.reduced = false;
         self.stage = Stage::Clean;
     }
 
@@ -531,6 +587,8 @@ impl AmpOptimizer {
                 "there are no gradients to clip: call it after backward and before step",
             ));
         }
+        // Clip the step's gradients, not this process's share of them.
+        self.reduce_step()?;
         let mut total = 0f64;
         for g in self.grads.values() {
             // In f64: squares of large finite f32 gradients would overflow f32.
@@ -572,6 +630,7 @@ impl AmpOptimizer {
                 ));
             }
         }
+        self.reduce_step()?;
         let overflow = self.found_inf();
         if !overflow {
             self.apply()?;

@@ -1,0 +1,196 @@
+//! The data-parallel scenarios of `tests/dist.rs` across real processes: run it under
+//! `mpirun -np 2` (CI does). Every rank trains its shard; ranks compare their final weights
+//! bit for bit, and rank 0 compares them with one process training whole batches. Exits
+//! non-zero on the first failure, on every rank. Last, rank 1 stops answering for 3 s and
+//! rank 0, waiting 1 s, must fail with a timeout instead of hanging.
+//!
+//! ```sh
+//! cargo build --release --features mpi --example ddp_check
+//! mpirun -np 2 target/release/examples/ddp_check
+//! ```
+
+#[path = "../tests/dist_scenarios/mod.rs"]
+mod dist_scenarios;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Result, bail};
+use candle_amp::dist::{Communicator, MpiComm};
+use candle_amp::{HalfType, OptLevel};
+use dist_scenarios::*;
+
+fn state_bytes(r: &Run) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (name, bits) in &r.state {
+        out.extend(name.as_bytes());
+        out.push(0);
+        for b in bits {
+            out.extend(b.to_le_bytes());
+        }
+    }
+    out
+}
+
+fn main() -> Result<()> {
+    if !MpiComm::launched() {
+        eprintln!(
+            "run me under MPI: mpirun -np 2 {}",
+            std::env::args().next().unwrap_or_default()
+        );
+        std::process::exit(2);
+    }
+    let mpi = Arc::new(MpiComm::with_timeout(Duration::from_secs(120))?);
+    let comm: Arc<dyn Communicator> = mpi.clone();
+    let (rank, world) = (comm.rank(), comm.world_size());
+    if !B.is_multiple_of(world) {
+        bail!("the scenarios split batches of {B}: run with a world size that divides it");
+    }
+    let scenarios = [
+        ("guard O0", OptLevel::O0, HalfType::F16, Api::Guard, false, false, 1e-5),
+        (
+            "guard O2 f16",
+            OptLevel::O2,
+            HalfType::F16,
+            Api::Guard,
+            false,
+            false,
+            4e-3,
+        ),
+        (
+            "guard O2 bf16",
+            OptLevel::O2,
+            HalfType::Bf16,
+            Api::Guard,
+            false,
+            false,
+            3e-2,
+        ),
+        (
+            "GradScaler, 2 micro-batches, O0",
+            OptLevel::O0,
+            HalfType::F16,
+            Api::ScalerAccumulating,
+            false,
+            false,
+            1e-5,
+        ),
+        (
+            "GradScaler, 2 micro-batches, O1",
+            OptLevel::O1,
+            HalfType::F16,
+            Api::ScalerAccumulating,
+            false,
+            false,
+            4e-3,
+        ),
+        (
+            "synchronised batch norm O0",
+            OptLevel::O0,
+            HalfType::F16,
+            Api::Guard,
+            true,
+            false,
+            1e-5,
+        ),
+        (
+            "synchronised batch norm O2",
+            OptLevel::O2,
+            HalfType::F16,
+            Api::Guard,
+            true,
+            false,
+            4e-3,
+        ),
+        (
+            "parameter unused on rank 1+",
+            OptLevel::O0,
+            HalfType::F16,
+            Api::Guard,
+            false,
+            true,
+            1e-5,
+        ),
+    ];
+    let mut failures = 0;
+    for (name, level, half, api, bn, extra, tol) in scenarios {
+        let run = train(Some(comm.clone()), world, level, half, api, bn, extra);
+        let mut problems = Vec::new();
+        // Bit-identical across ranks: everyone compares with rank 0's bytes.
+        let mine = state_bytes(&run);
+        let mut root = mine.clone();
+        comm.broadcast_bytes(&mut root, 0)?;
+        if root != mine {
+            problems.push(format!("rank {rank}'s weights differ from rank 0's"));
+        }
+        let skips = if bn { 0 } else { 1 };
+        if run.skipped != skips {
+            problems.push(format!("{} skipped steps, expected {skips}", run.skipped));
+        }
+        // One reduction per optimizer step; one collective per 256-byte bucket of it.
+        if run.reductions != STEPS as u64 {
+            problems.push(format!("{} gradient reductions for {STEPS} steps", run.reductions));
+        }
+        if rank == 0 {
+            let one = train(None, world, level, half, api, bn, extra);
+            for ((n, a), (_, b)) in run.state.iter().zip(&one.state) {
+                for (i, (x, y)) in a.iter().zip(b).enumerate() {
+                    let (x, y) = (f32::from_bits(*x), f32::from_bits(*y));
+                    if (x - y).abs() > tol * y.abs().max(1.0) {
+                        problems.push(format!("{n}[{i}] is {x} on {world} ranks and {y} in one process"));
+                        break;
+                    }
+                }
+            }
+        }
+        // Every rank learns whether any failed, so all exit alike.
+        let mut bad = [problems.len() as f32];
+        comm.all_reduce_sum(&mut bad)?;
+        for p in &problems {
+            eprintln!("rank {rank}: {name}: {p}");
+        }
+        if bad[0] > 0.0 {
+            failures += 1;
+        } else if rank == 0 {
+            eprintln!(
+                "{name}: {world} ranks equal one process; weights bit-identical across ranks; {} reductions, {} collectives",
+                run.reductions, run.collectives
+            );
+        }
+    }
+    // A rank that stops answering: the others fail with a timeout instead of hanging. Rank
+    // 1+ arrive 3 s late at a barrier rank 0 waits for 1 s; then everyone meets again.
+    mpi.set_timeout(Duration::from_secs(1));
+    let late = if rank == 0 {
+        comm.barrier()
+    } else {
+        std::thread::sleep(Duration::from_secs(3));
+        Ok(())
+    };
+    mpi.set_timeout(Duration::from_secs(120));
+    if rank == 0 {
+        match late {
+            Err(candle_amp::AmpError::Distributed {
+                kind: candle_amp::DistErrorKind::Timeout,
+                detail,
+                ..
+            }) => eprintln!("a rank that stops answering: rank 0 timed out ({detail})"),
+            other => {
+                eprintln!("a rank that stops answering: rank 0 got {other:?}, not a timeout");
+                failures += 1;
+            }
+        }
+    } else {
+        // Joins the barrier rank 0 gave up on (MPI completes it in the background).
+        comm.barrier()?;
+    }
+    comm.barrier()?;
+    if failures > 0 {
+        eprintln!("rank {rank}: {failures} scenario(s) failed");
+        std::process::exit(1);
+    }
+    if rank == 0 {
+        println!("ddp_check: all {} scenarios passed on {world} ranks", scenarios.len());
+    }
+    Ok(())
+}

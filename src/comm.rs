@@ -1,0 +1,305 @@
+//! What data-parallel training needs from a process group, and an in-process group of
+//! threads that implements it as a test double.
+//!
+//! A [`Communicator`] is one rank's handle on a group of `world_size` ranks that run the
+//! same program: every rank calls the same collectives in the same order, and a call
+//! returns when every rank has made it. The MPI backend (`dist::MpiComm`, feature `mpi`) and
+//! the NCCL backend (`dist::NcclComm`, feature `nccl`) implement it for real processes;
+//! [`LocalGroup`] implements it for threads of one process, so the data-parallel logic is
+//! tested without launching anything.
+//!
+//! Collectives fail instead of hanging: a rank that waits longer than the group's timeout
+//! for the others returns [`AmpError::Distributed`] with [`DistErrorKind::Timeout`], and the
+//! group is unusable afterwards (as an MPI communicator is after an error).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Tensor};
+
+use crate::error::{AmpError, DistErrorKind, Result};
+
+/// How long a collective waits for the other ranks by default before it fails.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// One rank's handle on a group of processes (or threads) that train together.
+///
+/// Every method is a collective: all ranks call it, in the same order, with buffers of the
+/// same length (but [`broadcast_bytes`](Self::broadcast_bytes)). A rank that calls a
+/// different collective, or never calls, makes the others fail with a
+/// [`DistErrorKind::Timeout`] (or a [`DistErrorKind::Mismatch`] where the backend can tell).
+pub trait Communicator: Send + Sync + std::fmt::Debug {
+    /// This rank, `0..world_size()`.
+    fn rank(&self) -> usize;
+
+    /// How many ranks the group has.
+    fn world_size(&self) -> usize;
+
+    /// The backend's name for messages (`"mpi"`, `"nccl"`, `"local"`).
+    fn backend(&self) -> &'static str;
+
+    /// Sums `buf` element-wise over the ranks, in place, in f32; every rank gets the same
+    /// values, bit for bit.
+    fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()>;
+
+    /// [`all_reduce_sum`](Self::all_reduce_sum) over several buffers (gradient buckets). A
+    /// backend may run them concurrently; the default runs them one after another.
+    fn all_reduce_sum_buckets(&self, bufs: &mut [&mut [f32]]) -> Result<()> {
+        for b in bufs.iter_mut() {
+            self.all_reduce_sum(b)?;
+        }
+        Ok(())
+    }
+
+    /// [`all_reduce_sum`](Self::all_reduce_sum) of an f32 tensor on any device, returning
+    /// the sum on the same device. The default goes through host memory; a device backend
+    /// (NCCL) reduces in device memory.
+    fn all_reduce_sum_tensor(&self, t: &Tensor) -> Result<Tensor> {
+        let mut v = t.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?;
+        self.all_reduce_sum(&mut v)?;
+        let host = Tensor::from_vec(v, t.shape(), &Device::Cpu)?;
+        Ok(host.to_device(t.device())?)
+    }
+
+    /// Copies rank `root`'s `buf` into every rank's `buf` (all the same length).
+    fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<()>;
+
+    /// Copies rank `root`'s bytes to every rank; the others' vectors are resized to match.
+    fn broadcast_bytes(&self, buf: &mut Vec<u8>, root: usize) -> Result<()>;
+
+    /// Returns when every rank has called it.
+    fn barrier(&self) -> Result<()>;
+}
+
+/// A group of `n` ranks inside one process, one [`LocalComm`] per thread: a test double for
+/// the process backends, with the same semantics (including timeouts).
+///
+/// ```
+/// use candle_amp::dist::{Communicator, LocalGroup};
+/// let comms = LocalGroup::new(2);
+/// let sums: Vec<Vec<f32>> = std::thread::scope(|s| {
+///     let h: Vec<_> = comms
+///         .iter()
+///         .map(|c| s.spawn(move || {
+///             let mut v = vec![c.rank() as f32 + 1.0; 3];
+///             c.all_reduce_sum(&mut v).unwrap();
+///             v
+///         }))
+///         .collect();
+///     h.into_iter().map(|h| h.join().unwrap()).collect()
+/// });
+/// assert_eq!(sums, vec![vec![3.0; 3], vec![3.0; 3]]);
+/// ```
+#[derive(Debug)]
+pub struct LocalGroup;
+
+impl LocalGroup {
+    /// `n` ranks with the default timeout.
+    #[allow(clippy::new_ret_no_self)]
+    pub fn new(n: usize) -> Vec<LocalComm> {
+        Self::with_timeout(n, DEFAULT_TIMEOUT)
+    }
+
+    /// `n` ranks whose collectives fail after waiting `timeout` for the others.
+    pub fn with_timeout(n: usize, timeout: Duration) -> Vec<LocalComm> {
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                generation: 0,
+                slots: (0..n).map(|_| None).collect(),
+                arrived: 0,
+                last: None,
+            }),
+            changed: Condvar::new(),
+            poisoned: AtomicBool::new(false),
+        });
+        (0..n)
+            .map(|rank| LocalComm {
+                rank,
+                size: n,
+                timeout,
+                shared: shared.clone(),
+                generation: AtomicU64::new(0),
+            })
+            .collect()
+    }
+}
+
+/// One rank of a [`LocalGroup`]. Use it from one thread at a time.
+#[derive(Debug)]
+pub struct LocalComm {
+    rank: usize,
+    size: usize,
+    timeout: Duration,
+    shared: Arc<Shared>,
+    /// The collective this rank is at.
+    generation: AtomicU64,
+}
+
+#[derive(Debug)]
+struct Shared {
+    state: Mutex<State>,
+    changed: Condvar,
+    poisoned: AtomicBool,
+}
+
+/// A collective's contributions: each rank's op name and bytes.
+type Contributions = Arc<Vec<(&'static str, Vec<u8>)>>;
+
+#[derive(Debug)]
+struct State {
+    generation: u64,
+    slots: Vec<Option<(&'static str, Vec<u8>)>>,
+    arrived: usize,
+    /// The last completed collective: its generation and every rank's contribution.
+    last: Option<(u64, Contributions)>,
+}
+
+impl LocalComm {
+    /// Every rank's `payload` for this collective (an all-gather of bytes), in rank order.
+    fn exchange(&self, op: &'static str, payload: Vec<u8>) -> Result<Contributions> {
+        let fail = |kind, detail: String| AmpError::Distributed {
+            rank: self.rank,
+            kind,
+            detail,
+        };
+        if self.shared.poisoned.load(Ordering::Relaxed) {
+            return Err(fail(
+                DistErrorKind::Backend,
+                "the group failed earlier (a rank timed out); start a new group".into(),
+            ));
+        }
+        let generation_now = self.generation.load(Ordering::Relaxed);
+        let mut st = self.shared.state.lock().unwrap_or_else(|p| p.into_inner());
+        st.slots[self.rank] = Some((op, payload));
+        st.arrived += 1;
+        if st.arrived == self.size {
+            let all: Vec<_> = st
+                .slots
+                .iter_mut()
+                .map(|s| s.take().expect("every rank arrived"))
+                .collect();
+            st.last = Some((generation_now, Arc::new(all)));
+            st.arrived = 0;
+            st.generation += 1;
+            self.shared.changed.notify_all();
+        } else {
+            let deadline = Instant::now() + self.timeout;
+            while st.generation == generation_now {
+                let now = Instant::now();
+                if now >= deadline || self.shared.poisoned.load(Ordering::Relaxed) {
+                    self.shared.poisoned.store(true, Ordering::Relaxed);
+                    self.shared.changed.notify_all();
+                    let waiting = st.slots.iter().filter(|s| s.is_none()).count();
+                    return Err(fail(
+                        DistErrorKind::Timeout,
+                        format!(
+                            "`{op}` waited {:?} for {waiting} other rank(s) that never called it (a rank \
+                             failed, stopped, or called another collective)",
+                            self.timeout
+                        ),
+                    ));
+                }
+                st = self
+                    .shared
+                    .changed
+                    .wait_timeout(st, deadline - now)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+            }
+        }
+        let (g, all) = st.last.clone().expect("a completed collective");
+        drop(st);
+        debug_assert_eq!(g, generation_now);
+        self.generation.store(generation_now + 1, Ordering::Relaxed);
+        if let Some((r, (other, _))) = all.iter().enumerate().find(|(_, (o, _))| *o != op) {
+            return Err(fail(
+                DistErrorKind::Mismatch,
+                format!("rank {} called `{op}` while rank {r} called `{other}`", self.rank),
+            ));
+        }
+        Ok(all)
+    }
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn f32_from(b: &[u8]) -> impl Iterator<Item = f32> + '_ {
+    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+}
+
+fn check_len(rank: usize, op: &str, all: &[(&'static str, Vec<u8>)], n: usize) -> Result<()> {
+    match all.iter().enumerate().find(|(_, (_, b))| b.len() != n) {
+        Some((r, (_, b))) => Err(AmpError::Distributed {
+            rank,
+            kind: DistErrorKind::Mismatch,
+            detail: format!(
+                "`{op}` with {} values here but {} on rank {r}: every rank must pass the same length",
+                n / 4,
+                b.len() / 4
+            ),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// A root outside the group (checked before any rank waits on it).
+pub(crate) fn check_root(c: &dyn Communicator, root: usize) -> Result<()> {
+    if root >= c.world_size() {
+        return Err(AmpError::InvalidArgument {
+            argument: "root",
+            reason: format!("rank {root} is not in a group of {} rank(s)", c.world_size()),
+        });
+    }
+    Ok(())
+}
+
+impl Communicator for LocalComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.size
+    }
+
+    fn backend(&self) -> &'static str {
+        "local"
+    }
+
+    fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()> {
+        let all = self.exchange("all_reduce_sum", f32_bytes(buf))?;
+        check_len(self.rank, "all_reduce_sum", &all, buf.len() * 4)?;
+        // In rank order on every rank: the same sum everywhere.
+        buf.fill(0.0);
+        for (_, b) in all.iter() {
+            for (d, x) in buf.iter_mut().zip(f32_from(b)) {
+                *d += x;
+            }
+        }
+        Ok(())
+    }
+
+    fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<()> {
+        check_root(self, root)?;
+        let all = self.exchange("broadcast", f32_bytes(buf))?;
+        check_len(self.rank, "broadcast", &all, buf.len() * 4)?;
+        for (d, x) in buf.iter_mut().zip(f32_from(&all[root].1)) {
+            *d = x;
+        }
+        Ok(())
+    }
+
+    fn broadcast_bytes(&self, buf: &mut Vec<u8>, root: usize) -> Result<()> {
+        check_root(self, root)?;
+        let all = self.exchange("broadcast_bytes", buf.clone())?;
+        buf.clone_from(&all[root].1);
+        Ok(())
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.exchange("barrier", Vec::new()).map(|_| ())
+    }
+}

@@ -1,0 +1,32 @@
+//! Data-parallel training across processes: one process per device, each with the whole
+//! model and a shard of every batch, gradients averaged once per step (PyTorch's
+//! `DistributedDataParallel` with `DistributedSampler` and `SyncBatchNorm`).
+//!
+//! * [`Communicator`]: what a process group provides; `MpiComm` (feature `mpi`, launched
+//!   with `mpirun -np N`), `NcclComm` (feature `nccl`, CUDA; not built on the development
+//!   machines) and [`LocalGroup`] (threads of one process: the test double);
+//! * [`DataParallel`]: checks that every rank runs the same model, copies rank 0's weights
+//!   to every rank, averages the accumulated f32 gradients once per optimizer step in
+//!   buckets, combines overflow flags so every rank skips the same steps, and switches
+//!   synchronised batch norm on;
+//! * [`DistributedSampler`]: disjoint per-rank shards, reshuffled per epoch from a shared
+//!   seed.
+//!
+//! `examples/ddp` trains the digits MLP this way; README's "Data parallel" section shows how
+//! to launch it on one machine and on several.
+
+mod ddp;
+#[cfg(feature = "mpi")]
+mod mpi;
+#[cfg(feature = "nccl")]
+mod nccl;
+mod sampler;
+
+pub use crate::comm::{Communicator, DEFAULT_TIMEOUT, LocalComm, LocalGroup};
+pub use crate::train::reduce::{StepGrads, StepReducer};
+pub use ddp::{DataParallel, DataParallelConfig};
+#[cfg(feature = "mpi")]
+pub use mpi::MpiComm;
+#[cfg(feature = "nccl")]
+pub use nccl::{NcclComm, NcclId};
+pub use sampler::DistributedSampler;

@@ -1,0 +1,219 @@
+//! The data-parallel scenarios shared by `tests/dist.rs` (ranks as threads) and
+//! `examples/ddp_check.rs` (ranks as MPI processes): a small network trained for `STEPS`
+//! steps on a rank's shard of every batch, or on whole batches in one process.
+
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use candle_amp::dist::{Communicator, DataParallel, DataParallelConfig};
+use candle_amp::nn::{BatchNorm, Linear, batch_norm, linear};
+use candle_amp::optim::{Sgd, SgdConfig};
+use candle_amp::{self as amp, AmpConfig, GradScaler, HalfType, LossScaleSpec, OptLevel};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{ModuleT, VarBuilder};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+pub const B: usize = 8;
+pub const STEPS: usize = 20;
+/// The step at which rank 1's shard (and so the full batch) holds an inf.
+pub const INF_STEP: usize = 7;
+
+/// Batches of B samples; with `inf`, at `INF_STEP` the last sample (rank 1's shard) is inf.
+pub fn data_with(inf: bool) -> Vec<(Tensor, Tensor)> {
+    let mut r = ChaCha8Rng::seed_from_u64(5);
+    (0..STEPS)
+        .map(|s| {
+            let mut x: Vec<f32> = (0..B * 6).map(|_| r.random_range(-1.0..1.0)).collect();
+            if inf && s == INF_STEP {
+                x[B * 6 - 1] = f32::INFINITY;
+            }
+            let y: Vec<f32> = (0..B * 2).map(|_| r.random_range(-1.0..1.0)).collect();
+            (
+                Tensor::from_vec(x, (B, 6), &Device::Cpu).unwrap(),
+                Tensor::from_vec(y, (B, 2), &Device::Cpu).unwrap(),
+            )
+        })
+        .collect()
+}
+
+pub fn data() -> Vec<(Tensor, Tensor)> {
+    data_with(true)
+}
+
+/// Rank `rank` of `world`'s rows of a batch.
+pub fn shard(t: &Tensor, rank: usize, world: usize) -> Tensor {
+    let n = t.dim(0).unwrap() / world;
+    t.narrow(0, rank * n, n).unwrap()
+}
+
+pub struct Net {
+    pub a: Linear,
+    bn: Option<BatchNorm>,
+    b: Linear,
+    /// A head only some ranks use.
+    extra: Linear,
+}
+
+impl Net {
+    pub fn new(vb: VarBuilder, with_bn: bool) -> candle_core::Result<Self> {
+        Ok(Self {
+            a: linear(6, 16, vb.pp("a"))?,
+            bn: if with_bn {
+                Some(batch_norm(16, 1e-5, vb.pp("bn"))?)
+            } else {
+                None
+            },
+            b: linear(16, 2, vb.pp("b"))?,
+            extra: linear(16, 2, vb.pp("extra"))?,
+        })
+    }
+}
+
+/// Input `x` with a flag column: the model runs `extra` only when told to through the
+/// input's last element being 1 (so the same `ModuleT` can skip it on one rank).
+impl ModuleT for Net {
+    fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
+        let use_extra = x.dim(1)? == 7;
+        let x = x.narrow(1, 0, 6)?;
+        let mut h = self.a.forward_t(&x, train)?;
+        if let Some(bn) = &self.bn {
+            h = bn.forward_t(&h, train)?;
+        }
+        let h = amp::ops::relu(&h)?;
+        let y = self.b.forward_t(&h, train)?;
+        if use_extra {
+            y + self.extra.forward_t(&h, train)?
+        } else {
+            Ok(y)
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq)]
+pub enum Api {
+    Guard,
+    /// `GradScaler`, with every step's batch split into two accumulated micro-batches.
+    ScalerAccumulating,
+}
+
+pub struct Run {
+    /// Every store tensor (parameters and buffers) as f32 bits, by name order.
+    pub state: Vec<(String, Vec<u32>)>,
+    pub skipped: u64,
+    pub reductions: u64,
+    pub collectives: u64,
+}
+
+/// Trains `STEPS` steps on `rank` of `world` (`comm` None: one process, whole batches, as
+/// `ref_world` ranks would see them). `extra_on_rank0`: the `extra` head is used on rank 0's
+/// samples only.
+pub fn train(
+    comm: Option<Arc<dyn Communicator>>,
+    ref_world: usize,
+    level: OptLevel,
+    half: HalfType,
+    api: Api,
+    with_bn: bool,
+    extra_on_rank0: bool,
+) -> Run {
+    let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank(), c.world_size()));
+    // Different seeds per rank: DataParallel::new must make the weights equal.
+    let cfg = AmpConfig::new(level)
+        .half(half)
+        .seed(10 + rank as u64)
+        .loss_scale(LossScaleSpec::Static(64.0))
+        .verbosity(0);
+    let amp = amp::Amp::new(cfg, &Device::Cpu).unwrap();
+    let model = amp.model(|vb| Net::new(vb, with_bn)).unwrap();
+    let mut opt = amp.optimizer(Sgd::new(SgdConfig::new(0.05)).unwrap()).unwrap();
+    let ddp = comm.map(|c| {
+        let d = DataParallel::new(&amp, c, DataParallelConfig { bucket_bytes: 256 }).unwrap();
+        if with_bn {
+            d.sync_batch_norm(&amp, true);
+        }
+        d
+    });
+    let mut scaler = GradScaler::with_params(64.0, 2.0, 0.5, 1_000_000, true).unwrap();
+    // The loss of one group of samples: MSE, plus the extra head on rank 0's samples.
+    let loss_of = |x: &Tensor, y: &Tensor, shard_rank: usize| -> Tensor {
+        let x = if extra_on_rank0 && shard_rank == 0 {
+            Tensor::cat(
+                &[
+                    x,
+                    &Tensor::ones((x.dim(0).unwrap(), 1), DType::F32, &Device::Cpu).unwrap(),
+                ],
+                1,
+            )
+            .unwrap()
+        } else {
+            x.clone()
+        };
+        let out = model.forward(&x).unwrap().to_dtype(DType::F32).unwrap();
+        amp::ops::mse(&out, y).unwrap()
+    };
+    // What the rank (or the single process, for every shard) computes: the mean of the
+    // per-rank losses, so one process equals the average of W ranks.
+    let losses = |x: &Tensor, y: &Tensor| -> Tensor {
+        if world > 1 || !extra_on_rank0 {
+            return loss_of(x, y, rank);
+        }
+        let parts: Vec<Tensor> = (0..ref_world)
+            .map(|r| loss_of(&shard(x, r, ref_world), &shard(y, r, ref_world), r))
+            .collect();
+        (Tensor::stack(&parts, 0).unwrap().sum_all().unwrap() / ref_world as f64).unwrap()
+    };
+    // An inf sample would make batch norm's running statistics inf for good (as in
+    // PyTorch): the batch-norm runs have no skipped step.
+    for (x, y) in data_with(!with_bn) {
+        let (x, y) = (shard(&x, rank, world), shard(&y, rank, world));
+        match api {
+            Api::Guard => {
+                amp.scale_loss(&losses(&x, &y), &mut opt).unwrap().backward().unwrap();
+                opt.step().unwrap();
+            }
+            Api::ScalerAccumulating => {
+                // Two micro-batches of half the rows, each half the loss.
+                let h = x.dim(0).unwrap() / 2;
+                let micro = |scaler: &GradScaler, i: usize| {
+                    let l = (losses(&x.narrow(0, i * h, h).unwrap(), &y.narrow(0, i * h, h).unwrap()) / 2.0).unwrap();
+                    scaler.scale(&l).unwrap().backward().unwrap()
+                };
+                let g0 = micro(&scaler, 0);
+                scaler.accumulate(&mut opt, &g0).unwrap();
+                let g1 = micro(&scaler, 1);
+                scaler.step(&mut opt, &g1).unwrap();
+                scaler.update(None).unwrap();
+            }
+        }
+        opt.zero_grad();
+    }
+    let mut state: Vec<(String, Vec<u32>)> = amp
+        .store()
+        .params()
+        .iter()
+        .map(|p| {
+            let v = p.f32_value().unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            (p.name().to_string(), v.into_iter().map(f32::to_bits).collect())
+        })
+        .collect();
+    state.sort();
+    Run {
+        state,
+        skipped: opt.skipped_steps(),
+        reductions: ddp.as_ref().map_or(0, |d| d.reductions()),
+        collectives: ddp.as_ref().map_or(0, |d| d.collectives()),
+    }
+}
+
+pub fn assert_close(a: &Run, b: &Run, tol: f32, what: &str) {
+    assert_eq!(a.state.len(), b.state.len());
+    for ((na, va), (nb, vb)) in a.state.iter().zip(&b.state) {
+        assert_eq!(na, nb);
+        for (i, (x, y)) in va.iter().zip(vb).enumerate() {
+            let (x, y) = (f32::from_bits(*x), f32::from_bits(*y));
+            assert!((x - y).abs() <= tol * y.abs().max(1.0), "{what}: {na}[{i}] {x} vs {y}");
+        }
+    }
+}
