@@ -117,6 +117,7 @@ impl Amp {
             enabled: self.run.props.patch_functions,
             context: self.run.casts.clone(),
             transparent: false,
+            phase: crate::precision::autocast::Phase::Normal,
         }
     }
 

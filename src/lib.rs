@@ -30,14 +30,17 @@
 //! The public surface: [`initialize`], [`AmpConfig`]/[`OptLevel`]/[`HalfType`], the handle
 //! [`Amp`] and its guard [`ScaleLoss`], the model wrapper [`AmpModel`], [`optim`] (our
 //! optimizers and the [`AmpOptimizer`] that drives them), the PyTorch-style [`GradScaler`],
-//! [`autocast`] scopes, [`ops`] and [`nn`] layers, [`checkpoint`]s, the error types, and the
-//! extension points: a [`GradReducer`] for data parallelism, a backward driver for
+//! [`autocast`] scopes, [`ops`] and [`nn`] layers, [`checkpoint`]s (saved training state),
+//! data parallelism across processes ([`dist`]), gradient checkpointing and chunked
+//! feed-forward ([`recompute`]), the error types, and the extension points: a
+//! [`GradReducer`] and `dist::StepReducer` for data parallelism, a backward driver for
 //! [`ScaleLoss::backward_with`], the [`optim::Optimizer`] trait.
 //!
 //! The crate is built in floors, each depending only on those below it (ARCHITECTURE.md
 //! draws it): `error`; `scaling` (the loss scale) and `kernels`; `precision` (opt levels,
 //! parameter store, autocast, ops, model wrapper); `train` (run state, optimizers, the
-//! guard's pipeline, `GradScaler`); `nn`; the [`Amp`] handle; [`checkpoint`].
+//! guard's pipeline, `GradScaler`); `nn`; the [`Amp`] handle; [`checkpoint`], [`dist`] and
+//! [`recompute`].
 
 #![warn(missing_docs)]
 
@@ -50,6 +53,7 @@ mod files;
 pub mod kernels;
 pub mod nn;
 mod precision;
+pub mod recompute;
 mod scaling;
 mod serde_f32;
 mod train;

@@ -2,7 +2,8 @@
 //! (two stacked convolutions included) trains for 300 steps at every level, and the bytes
 //! the process holds at step 300 equal those at step 50 (a counting global allocator, so
 //! this test binary holds this one test only). Gradients and optimizer state never keep a
-//! graph alive.
+//! graph alive. The same holds with gradient checkpointing and recomputed feed-forward
+//! slices.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
@@ -182,6 +183,88 @@ fn memory_does_not_grow_with_the_step_count_at_any_level() {
             "{level} {half}: {grown} bytes more at step 300 than at step 50"
         );
     }
+    memory_is_flat_with_recomputation();
 }
 
 fn drop_all<const N: usize>(_: [Tensor; N]) {}
+
+/// A residual block whose feed-forward runs in recomputed slices.
+#[derive(Clone)]
+struct Block {
+    up: ann::Linear,
+    down: ann::Linear,
+    drop: ann::Dropout,
+    rc: amp::recompute::Recompute,
+}
+
+impl ModuleT for Block {
+    fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
+        let (up, down) = (self.up.clone(), self.down.clone());
+        let ffn = move |x: &Tensor| down.forward(&ops::gelu(&up.forward(x)?)?);
+        let h = self.rc.chunked_forward(&ffn, 3, 1, x, train)?;
+        ops::add(x, &self.drop.forward_t(&h, train)?)
+    }
+}
+
+/// The same with gradient checkpointing and chunked feed-forward: nothing of a step's
+/// recomputation (segments, stashed gradients, graphs) outlives the step.
+fn memory_is_flat_with_recomputation() {
+    let dev = Device::Cpu;
+    let x = Tensor::randn(0f32, 1., (4, 8, 16), &dev).unwrap();
+    for level in [OptLevel::O0, OptLevel::O1, OptLevel::O2] {
+        let amp = amp::Amp::new(AmpConfig::new(level).verbosity(0), &dev).unwrap();
+        let rc = amp::recompute::Recompute::new(&amp);
+        let drop = amp.generator("dropout");
+        let model = amp
+            .model(|vb| {
+                (0..4)
+                    .map(|i| {
+                        Ok(Block {
+                            up: ann::linear(16, 32, vb.pp(format!("b{i}.up")))?,
+                            down: ann::linear(32, 16, vb.pp(format!("b{i}.down")))?,
+                            drop: ann::Dropout::new(0.1, drop.clone())?,
+                            rc: rc.clone(),
+                        })
+                    })
+                    .collect::<candle_core::Result<Vec<_>>>()
+            })
+            .unwrap();
+        let mut opt = amp
+            .optimizer(amp::optim::AdamW::new(Default::default()).unwrap())
+            .unwrap();
+        // The blocks are called directly (not through the model wrapper, which casts).
+        let x = x
+            .to_dtype(if level == OptLevel::O2 { DType::F16 } else { DType::F32 })
+            .unwrap();
+        let mut at = [0isize; 2];
+        for step in 1..=300 {
+            let h = rc.checkpoint_sequential(model.inner(), 4, &x, true).unwrap();
+            let loss = ops::mean_keepdim(&h.to_dtype(DType::F32).unwrap().sqr().unwrap(), 2)
+                .unwrap()
+                .mean_all()
+                .unwrap();
+            amp.scale_loss(&loss, &mut opt)
+                .unwrap()
+                .backward_with(|l| rc.backward(l))
+                .unwrap();
+            opt.step().unwrap();
+            opt.zero_grad();
+            drop_all([h, loss]);
+            if step == 50 {
+                at[0] = live();
+            }
+            if step == 300 {
+                at[1] = live();
+            }
+        }
+        let grown = at[1] - at[0];
+        eprintln!(
+            "recompute {level}: live bytes at step 50 {}, at step 300 {}",
+            at[0], at[1]
+        );
+        assert!(
+            grown < 256 * 1024,
+            "recompute {level}: {grown} bytes more at step 300 than at step 50"
+        );
+    }
+}

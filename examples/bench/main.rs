@@ -8,7 +8,10 @@
 //! (batch 512, AdamW, digits) at every level and half type and of a plain candle f32 loop,
 //! the median step of the train example's transformer, and the peak allocated memory of one
 //! step of a larger transformer (4 blocks, width 256, context 64, batch 64; a counting
-//! allocator). `--threads N` sets candle's and rayon's thread count (default 1); `--quick`
+//! allocator). Gradient checkpointing and chunked feed-forward on an 8-block transformer at O2
+//! f16 (width 128, context 64, batch 32): `checkpoint_peak_ratio`, `checkpoint_time_ratio`
+//! and `chunk_peak_ratio` against the same model without them, details under
+//! `memory_savers`. `--threads N` sets candle's and rayon's thread count (default 1); `--quick`
 //! shrinks everything for a smoke test.
 
 #[path = "../train/data.rs"]
@@ -292,7 +295,8 @@ fn seq_batch(rng: &mut impl Rng, batch: usize, context: usize) -> Result<(Tensor
 }
 
 /// Median training step of a transformer (ms) and the peak bytes allocated during one step
-/// beyond what the run held before it.
+/// beyond what the run held before it. With `c.checkpoint` or `c.ffn_chunk` set, the
+/// segments or slices are recomputed in the backward.
 fn transformer(
     level: OptLevel,
     half: HalfType,
@@ -303,7 +307,8 @@ fn transformer(
     let cfg = AmpConfig::new(level).half(half).verbosity(0);
     let amp = amp::Amp::new(cfg, &Device::Cpu)?;
     let dropout = amp.generator("dropout");
-    let model = amp.model(|vb| models::Transformer::new(vb, c, dropout))?;
+    let rc = (c.checkpoint > 0 || c.ffn_chunk > 0).then(|| amp::recompute::Recompute::new(&amp));
+    let model = amp.model(|vb| models::Transformer::new(vb, c, dropout, rc.clone()))?;
     let mut opt = amp.optimizer(adamw()?)?;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
     let batches: Vec<_> = (0..reps + 2)
@@ -318,7 +323,11 @@ fn transformer(
         let logits = model.forward_t(x, true)?;
         let loss = ops::cross_entropy(&logits, y)?;
         drop(logits);
-        amp.scale_loss(&loss, &mut opt)?.backward()?;
+        let guard = amp.scale_loss(&loss, &mut opt)?;
+        match &rc {
+            Some(rc) => guard.backward_with(|l| rc.backward(l))?,
+            None => guard.backward()?,
+        };
         opt.step()?;
         opt.zero_grad();
         Ok(PEAK.load(Ordering::Relaxed) - before)
@@ -327,6 +336,81 @@ fn transformer(
     let peak = step(true)? as f64 / (1 << 20) as f64;
     let s = median_s(reps, || step(false).map(|_| ()))?;
     Ok((s * 1e3, peak))
+}
+
+/// Gradient checkpointing and chunked feed-forward on the example transformer with 8 blocks
+/// at O2 f16, against the same model without them: peak memory of one training step (bytes
+/// allocated beyond what the run held before the step) and median step time, and the peak
+/// of one inference forward with plain chunking.
+fn memory_savers(quick: bool, steps: usize) -> Result<Value> {
+    let layers = 8;
+    let deep = models::TransformerConfig {
+        vocab: 11,
+        context: if quick { 16 } else { 64 },
+        d_model: if quick { 64 } else { 128 },
+        heads: 4,
+        layers,
+        dropout: 0.1,
+        checkpoint: 0,
+        ffn_chunk: 0,
+    };
+    let batch = if quick { 8 } else { 32 };
+    let chunk = deep.context / 4;
+    let (level, half) = (OptLevel::O2, HalfType::F16);
+    let reps = steps.min(10);
+    let (plain_ms, plain_mb) = transformer(level, half, deep, batch, reps)?;
+    let ck = models::TransformerConfig {
+        checkpoint: layers,
+        ..deep
+    };
+    let (ck_ms, ck_mb) = transformer(level, half, ck, batch, reps)?;
+    let ch = models::TransformerConfig {
+        ffn_chunk: chunk,
+        ..deep
+    };
+    let (ch_ms, ch_mb) = transformer(level, half, ch, batch, reps)?;
+    let (inf_plain_mb, inf_chunk_mb) = inference_peaks(deep, batch, chunk)?;
+    Ok(json!({
+        "model": format!(
+            "transformer: {layers} blocks, width {}, context {}, batch {batch}, O2 f16",
+            deep.d_model, deep.context
+        ),
+        "checkpoint_segments": layers,
+        "ffn_chunk": chunk,
+        "plain_peak_mb": plain_mb,
+        "plain_step_ms": plain_ms,
+        "checkpoint_peak_mb": ck_mb,
+        "checkpoint_step_ms": ck_ms,
+        "chunk_peak_mb": ch_mb,
+        "chunk_step_ms": ch_ms,
+        "checkpoint_peak_ratio": ck_mb / plain_mb,
+        "checkpoint_time_ratio": ck_ms / plain_ms,
+        "chunk_peak_ratio": ch_mb / plain_mb,
+        "chunk_time_ratio": ch_ms / plain_ms,
+        "inference_plain_peak_mb": inf_plain_mb,
+        "inference_chunk_peak_mb": inf_chunk_mb,
+        "inference_chunk_peak_ratio": inf_chunk_mb / inf_plain_mb,
+    }))
+}
+
+/// Peak bytes of one evaluation forward of `c` without and with plain chunking of the
+/// feed-forward (no recomputation: nothing is kept for a backward).
+fn inference_peaks(c: models::TransformerConfig, batch: usize, chunk: usize) -> Result<(f64, f64)> {
+    let mut peaks = Vec::new();
+    for ffn_chunk in [0, chunk] {
+        let amp = amp::Amp::new(AmpConfig::new(OptLevel::O2).verbosity(0), &Device::Cpu)?;
+        let dropout = amp.generator("dropout");
+        let cfg = models::TransformerConfig { ffn_chunk, ..c };
+        let model = amp.model(|vb| models::Transformer::new(vb, cfg, dropout, None))?;
+        model.eval();
+        let (x, _) = seq_batch(&mut rand_chacha::ChaCha8Rng::seed_from_u64(3), batch, c.context)?;
+        drop(model.forward(&x)?);
+        let before = LIVE.load(Ordering::Relaxed);
+        PEAK.store(before, Ordering::Relaxed);
+        drop(model.forward(&x)?);
+        peaks.push((PEAK.load(Ordering::Relaxed) - before) as f64 / (1 << 20) as f64);
+    }
+    Ok((peaks[0], peaks[1]))
 }
 
 /// glibc returns large freed blocks to the OS and faults fresh zeroed pages back in on the
@@ -396,9 +480,15 @@ fn main() -> Result<()> {
             heads: 4,
             layers: 2,
             dropout: 0.1,
+            checkpoint: 0,
+            ffn_chunk: 0,
         };
         let (ms, _) = transformer(l.parse()?, h.parse()?, c, 32, steps)?;
         eprintln!("transformer {which}: {ms:.2} ms");
+        return Ok(());
+    }
+    if std::env::var("BENCH_SAVERS_ONLY").is_ok() {
+        eprintln!("{:#}", memory_savers(a.quick, steps)?);
         return Ok(());
     }
     if std::env::var("BENCH_GEMM_ONLY").is_ok() {
@@ -435,6 +525,8 @@ fn main() -> Result<()> {
         heads: 4,
         layers: 2,
         dropout: 0.1,
+        checkpoint: 0,
+        ffn_chunk: 0,
     };
     let big = models::TransformerConfig {
         vocab: 11,
@@ -443,6 +535,8 @@ fn main() -> Result<()> {
         heads: 4,
         layers: if a.quick { 2 } else { 4 },
         dropout: 0.1,
+        checkpoint: 0,
+        ffn_chunk: 0,
     };
     let big_batch = if a.quick { 8 } else { 64 };
     let mut levels = serde_json::Map::new();
@@ -461,6 +555,12 @@ fn main() -> Result<()> {
         levels.insert(level.to_string(), Value::Object(per_half));
     }
     out["levels"] = Value::Object(levels);
+    eprintln!("memory savers (8-block transformer, O2 f16) ...");
+    let savers = memory_savers(a.quick, steps)?;
+    for k in ["checkpoint_peak_ratio", "checkpoint_time_ratio", "chunk_peak_ratio"] {
+        out[k] = savers[k].clone();
+    }
+    out["memory_savers"] = savers;
     if let Some(t) = torch {
         out["torch"] = t;
     }
@@ -615,6 +715,24 @@ fn targets(o: &Value) -> Value {
             );
         }
     }
+    add(
+        "checkpointing peak memory / plain (8-block transformer, O2 f16)".into(),
+        f(&o["checkpoint_peak_ratio"]),
+        "<=",
+        0.6,
+    );
+    add(
+        "checkpointing step time / plain".into(),
+        f(&o["checkpoint_time_ratio"]),
+        "<=",
+        1.4,
+    );
+    add(
+        "chunked feed-forward peak memory / plain (training)".into(),
+        f(&o["chunk_peak_ratio"]),
+        "<",
+        1.0,
+    );
     if o["torch"].is_object() {
         let fp32 = f(&o["torch"]["fp32_step_ms"]);
         let tbf16 = f(&o["torch"]["autocast_bf16_step_ms"]);

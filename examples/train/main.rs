@@ -3,7 +3,7 @@
 //!
 //! `cargo run --release --example train -- [--model mlp|cnn|transformer]...
 //!  [--opt-level O0|O1|O2|O3]... [--half f16|bf16] [--data FILE.csv] [--steps N] [--seed N]
-//!  [--json] [--save DIR] [--resume DIR] [--report DIR]`
+//!  [--json] [--save DIR] [--resume DIR] [--report DIR] [--checkpoint SEGMENTS] [--ffn-chunk N]`
 //!
 //! * `mlp` and `cnn` classify the bundled UCI digits (8x8 images), `transformer` learns to
 //!   reverse short digit sequences it generates.
@@ -11,6 +11,10 @@
 //!   `--resume DIR` continues each run from there (`--steps` counts from the start of
 //!   training), so a run cut in two prints the same JSON as one run straight through, but
 //!   for `step_ms`.
+//! * `--checkpoint SEGMENTS` runs the transformer's blocks with gradient checkpointing in
+//!   that many segments (the last runs normally); `--ffn-chunk N` runs its feed-forward on
+//!   slices of N positions, each recomputed in the backward. Both trade time for memory and
+//!   leave the results as they are, up to rounding.
 //! * `--report DIR` draws `DIR/<model>.svg`: training loss per step for each level, and the
 //!   loss scale over the steps with skipped steps marked.
 
@@ -40,6 +44,7 @@ const SEQ: usize = 8;
 const SEP: u32 = 10;
 const SEQ_BATCH: usize = 32;
 const SEQ_HELD_OUT: usize = 512;
+const TRANSFORMER_LAYERS: usize = 2;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum ModelKind {
@@ -78,11 +83,14 @@ struct Args {
     save: Option<String>,
     resume: Option<String>,
     report: Option<String>,
+    checkpoint: usize,
+    ffn_chunk: usize,
 }
 
 fn usage() -> &'static str {
     "usage: train [--model mlp|cnn|transformer]... [--opt-level O0|O1|O2|O3]... [--half f16|bf16] \
-     [--data FILE.csv] [--steps N] [--seed N] [--json] [--save DIR] [--resume DIR] [--report DIR]"
+     [--data FILE.csv] [--steps N] [--seed N] [--json] [--save DIR] [--resume DIR] [--report DIR] \
+     [--checkpoint SEGMENTS] [--ffn-chunk N]"
 }
 
 fn parse_args() -> Result<Args> {
@@ -97,6 +105,8 @@ fn parse_args() -> Result<Args> {
         save: None,
         resume: None,
         report: None,
+        checkpoint: 0,
+        ffn_chunk: 0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -112,6 +122,8 @@ fn parse_args() -> Result<Args> {
             "--save" => a.save = Some(value()?),
             "--resume" => a.resume = Some(value()?),
             "--report" => a.report = Some(value()?),
+            "--checkpoint" => a.checkpoint = value()?.parse().context("--checkpoint takes a number of segments")?,
+            "--ffn-chunk" => a.ffn_chunk = value()?.parse().context("--ffn-chunk takes a number of positions")?,
             "-h" | "--help" => {
                 eprintln!("{}", usage());
                 std::process::exit(0);
@@ -124,6 +136,12 @@ fn parse_args() -> Result<Args> {
     }
     if a.models.is_empty() {
         a.models = vec![ModelKind::Mlp, ModelKind::Cnn, ModelKind::Transformer];
+    }
+    if a.checkpoint > TRANSFORMER_LAYERS {
+        bail!(
+            "--checkpoint {}: the transformer has {TRANSFORMER_LAYERS} blocks, so use 1 to {TRANSFORMER_LAYERS} segments",
+            a.checkpoint
+        );
     }
     if a.levels.is_empty() {
         a.levels = amp::OptLevel::ALL.to_vec();
@@ -270,6 +288,10 @@ fn train_one(kind: ModelKind, task: &Task, level: amp::OptLevel, a: &Args) -> Re
     })?;
     let amp = amp::Amp::new(config, &Device::Cpu)?;
     let dropout = amp.generator("dropout");
+    // Checkpointed segments and feed-forward slices are recorded here and recomputed by its
+    // backward driver.
+    let recompute = (kind == ModelKind::Transformer && (a.checkpoint > 0 || a.ffn_chunk > 0))
+        .then(|| amp::recompute::Recompute::new(&amp));
     let model = amp.model(|vb| {
         Ok(match (kind, task) {
             (ModelKind::Mlp, Task::Digits { train, classes, .. }) => {
@@ -285,10 +307,12 @@ fn train_one(kind: ModelKind, task: &Task, level: amp::OptLevel, a: &Args) -> Re
                     context: 2 * SEQ,
                     d_model: 64,
                     heads: 4,
-                    layers: 2,
+                    layers: TRANSFORMER_LAYERS,
                     dropout: 0.1,
+                    checkpoint: a.checkpoint,
+                    ffn_chunk: a.ffn_chunk,
                 };
-                Net::Transformer(Transformer::new(vb, c, dropout)?)
+                Net::Transformer(Transformer::new(vb, c, dropout, recompute.clone())?)
             }
         })
     })?;
@@ -360,7 +384,11 @@ fn train_one(kind: ModelKind, task: &Task, level: amp::OptLevel, a: &Args) -> Re
         let t0 = Instant::now();
         let logits = model.forward(&x)?;
         let (loss, _, _) = score(kind, &logits, &y)?;
-        amp.scale_loss(&loss, &mut opt)?.backward()?;
+        let guard = amp.scale_loss(&loss, &mut opt)?;
+        match &recompute {
+            Some(rc) => guard.backward_with(|l| rc.backward(l))?,
+            None => guard.backward()?,
+        };
         let outcome = opt.step()?;
         opt.zero_grad();
         times.push(t0.elapsed().as_secs_f64() * 1e3);

@@ -4,6 +4,7 @@
 use candle_amp::Generator;
 use candle_amp::nn as ann;
 use candle_amp::ops;
+use candle_amp::recompute::{Recompute, chunked_forward};
 use candle_core::{Result, Tensor};
 use candle_nn::{Module, ModuleT, VarBuilder};
 
@@ -89,6 +90,26 @@ pub struct TransformerConfig {
     pub layers: usize,
     /// Dropout probability.
     pub dropout: f64,
+    /// Gradient checkpointing: the blocks run in this many segments, every one but the last
+    /// keeping only its input (0: off). Needs the model built with a `Recompute`.
+    pub checkpoint: usize,
+    /// The feed-forward runs on slices of this many positions (0: whole sequences); in
+    /// training each slice is recomputed in the backward when the model has a `Recompute`.
+    pub ffn_chunk: usize,
+}
+
+/// A block's position-wise feed-forward: layer norm, up projection, GELU, down projection.
+#[derive(Debug, Clone)]
+struct Ffn {
+    ln2: ann::LayerNorm,
+    up: ann::Linear,
+    down: ann::Linear,
+}
+
+impl Module for Ffn {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.down.forward(&ops::gelu(&self.up.forward(&self.ln2.forward(x)?)?)?)
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -98,15 +119,15 @@ struct Block {
     k: ann::Linear,
     v: ann::Linear,
     o: ann::Linear,
-    ln2: ann::LayerNorm,
-    up: ann::Linear,
-    down: ann::Linear,
+    ffn: Ffn,
     drop: ann::Dropout,
     heads: usize,
+    ffn_chunk: usize,
+    recompute: Option<Recompute>,
 }
 
 impl Block {
-    fn new(vb: VarBuilder, c: &TransformerConfig, drop: Generator) -> Result<Self> {
+    fn new(vb: VarBuilder, c: &TransformerConfig, drop: Generator, recompute: Option<Recompute>) -> Result<Self> {
         let d = c.d_model;
         Ok(Self {
             ln1: ann::layer_norm(d, 1e-5, vb.pp("ln1"))?,
@@ -114,11 +135,15 @@ impl Block {
             k: ann::linear(d, d, vb.pp("k"))?,
             v: ann::linear(d, d, vb.pp("v"))?,
             o: ann::linear(d, d, vb.pp("o"))?,
-            ln2: ann::layer_norm(d, 1e-5, vb.pp("ln2"))?,
-            up: ann::linear(d, 4 * d, vb.pp("up"))?,
-            down: ann::linear(4 * d, d, vb.pp("down"))?,
+            ffn: Ffn {
+                ln2: ann::layer_norm(d, 1e-5, vb.pp("ln2"))?,
+                up: ann::linear(d, 4 * d, vb.pp("up"))?,
+                down: ann::linear(4 * d, d, vb.pp("down"))?,
+            },
             drop: ann::Dropout::new(c.dropout, drop)?,
             heads: c.heads,
+            ffn_chunk: c.ffn_chunk,
+            recompute,
         })
     }
 
@@ -129,7 +154,7 @@ impl Block {
             .contiguous()
     }
 
-    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+    fn run(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         let (b, t, d) = x.dims3()?;
         let h = self.ln1.forward(x)?;
         let (q, k, v) = (
@@ -140,8 +165,21 @@ impl Block {
         let a = ann::scaled_dot_product_attention(&q, &k, &v, None, true, None)?;
         let a = a.transpose(1, 2)?.reshape((b, t, d))?;
         let x = ops::add(x, &self.drop.forward_t(&self.o.forward(&a)?, train)?)?;
-        let h = ops::gelu(&self.up.forward(&self.ln2.forward(&x)?)?)?;
-        ops::add(&x, &self.drop.forward_t(&self.down.forward(&h)?, train)?)
+        // Dropout stays outside the slices, so its mask is drawn as in the plain forward.
+        let h = match (&self.recompute, self.ffn_chunk) {
+            (_, 0) => self.ffn.forward(&x)?,
+            (Some(rc), n) => rc.chunked_forward(&self.ffn, n, 1, &x, train)?,
+            // Plain chunking is for inference (its result is outside the graph).
+            (None, n) if !train => chunked_forward(&self.ffn, n, 1, &x)?,
+            (None, _) => self.ffn.forward(&x)?,
+        };
+        ops::add(&x, &self.drop.forward_t(&h, train)?)
+    }
+}
+
+impl ModuleT for Block {
+    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        self.run(x, train)
     }
 }
 
@@ -155,18 +193,25 @@ pub struct Transformer {
     blocks: Vec<Block>,
     ln: ann::LayerNorm,
     head: ann::Linear,
+    checkpoint: usize,
+    recompute: Option<Recompute>,
 }
 
 impl Transformer {
-    /// Builds the transformer; dropout masks come from `drop`.
-    pub fn new(vb: VarBuilder, c: TransformerConfig, drop: Generator) -> Result<Self> {
+    /// Builds the transformer; dropout masks come from `drop`. `recompute` records the
+    /// checkpointed segments and feed-forward slices (`c.checkpoint`, `c.ffn_chunk`); the
+    /// training loop must then run the backward through it.
+    pub fn new(vb: VarBuilder, c: TransformerConfig, drop: Generator, recompute: Option<Recompute>) -> Result<Self> {
+        if c.checkpoint > 0 && recompute.is_none() {
+            candle_core::bail!("checkpointing needs the model built with a Recompute");
+        }
         let pos = vb.get_with_hints(
             (c.context, c.d_model),
             "pos",
             candle_nn::Init::Randn { mean: 0.0, stdev: 0.02 },
         )?;
         let blocks = (0..c.layers)
-            .map(|i| Block::new(vb.pp(format!("block{i}")), &c, drop.clone()))
+            .map(|i| Block::new(vb.pp(format!("block{i}")), &c, drop.clone(), recompute.clone()))
             .collect::<Result<_>>()?;
         Ok(Self {
             tok: ann::embedding(c.vocab, c.d_model, vb.pp("tok"))?,
@@ -174,6 +219,8 @@ impl Transformer {
             blocks,
             ln: ann::layer_norm(c.d_model, 1e-5, vb.pp("ln"))?,
             head: ann::linear(c.d_model, c.vocab, vb.pp("head"))?,
+            checkpoint: c.checkpoint,
+            recompute,
         })
     }
 }
@@ -182,8 +229,13 @@ impl ModuleT for Transformer {
     fn forward_t(&self, ids: &Tensor, train: bool) -> Result<Tensor> {
         let t = ids.dim(1)?;
         let mut x = ops::add(&self.tok.forward(ids)?, &self.pos.narrow(0, 0, t)?)?;
-        for b in &self.blocks {
-            x = b.forward_t(&x, train)?;
+        match (&self.recompute, self.checkpoint) {
+            (Some(rc), n) if n > 0 => x = rc.checkpoint_sequential(&self.blocks, n, &x, train)?,
+            _ => {
+                for b in &self.blocks {
+                    x = b.forward_t(&x, train)?;
+                }
+            }
         }
         self.head.forward(&self.ln.forward(&x)?)
     }

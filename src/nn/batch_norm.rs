@@ -128,12 +128,16 @@ impl BatchNorm {
             return self.normalise_synced(&x, &xt, group);
         }
         let n = xt.dim(1)? as f64;
+        // A segment recomputed by gradient checkpointing already updated them in its forward.
+        let update_running = crate::precision::autocast::phase() != crate::precision::autocast::Phase::Recompute;
         let (centred, mean_b) = if self.remove_mean {
             let mean = xt.mean_keepdim(1)?;
             let rm = self.running_mean.as_tensor();
             let new_mean = ((rm * (1.0 - self.momentum))?
                 + (mean.flatten_all()?.detach().to_dtype(rm.dtype())? * self.momentum)?)?;
-            self.running_mean.set(&new_mean)?;
+            if update_running {
+                self.running_mean.set(&new_mean)?;
+            }
             (xt.broadcast_sub(&mean)?, Some(mean.reshape(shape.as_slice())?))
         } else {
             (xt, None)
@@ -143,7 +147,9 @@ impl BatchNorm {
         let rv = self.running_var.as_tensor();
         let new_var = ((rv * (1.0 - self.momentum))?
             + (var.flatten_all()?.detach().to_dtype(rv.dtype())? * (self.momentum * unbiased))?)?;
-        self.running_var.set(&new_var)?;
+        if update_running {
+            self.running_var.set(&new_var)?;
+        }
         let x = match mean_b {
             Some(m) => x.broadcast_sub(&m)?,
             None => x,
@@ -179,6 +185,12 @@ impl BatchNorm {
         let unbiased = if n > 1.0 { n / (n - 1.0) } else { 1.0 };
         let m = self.momentum;
         let dev = x.device();
+        // A segment recomputed by gradient checkpointing already updated them in its forward.
+        if crate::precision::autocast::phase() == crate::precision::autocast::Phase::Recompute {
+            let mut dims = x.dims().to_vec();
+            dims.swap(0, 1);
+            return yt.reshape(dims)?.transpose(0, 1);
+        }
         if self.remove_mean {
             let rm = self.running_mean.as_tensor();
             let mean = Tensor::from_vec(st.mean, rm.dims(), dev)?.to_dtype(rm.dtype())?;

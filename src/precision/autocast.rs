@@ -155,6 +155,10 @@ impl CastContext {
     }
 
     pub(crate) fn note_half(&self) {
+        // A recomputed segment repeats ops already counted in its first forward.
+        if matches!(phase(), Phase::Recompute | Phase::SliceRepeat) {
+            return;
+        }
         self.half_ops.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -197,6 +201,25 @@ pub struct AutocastPolicy {
     /// run's context (its batch-norm process group) reachable. `AmpModel` enters one at the
     /// levels that do not autocast.
     pub(crate) transparent: bool,
+    /// What gradient checkpointing is doing on this thread (a transparent marker scope).
+    pub(crate) phase: Phase,
+}
+
+/// What gradient checkpointing (`recompute`) is doing on a thread, carried by a transparent
+/// marker scope so that no second global is needed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Phase {
+    /// Nothing.
+    Normal,
+    /// The first forward of a checkpointed segment: nested checkpoints run plainly.
+    SegmentForward,
+    /// A segment recomputed during the backward: nested checkpoints run plainly, batch norm
+    /// leaves its running statistics alone (they were updated by the first forward) and
+    /// half ops are not counted twice.
+    Recompute,
+    /// The second and later slices of a chunked layer: the same op sites as the first, so
+    /// their half ops are not counted again; nested checkpoints run plainly.
+    SliceRepeat,
 }
 
 impl AutocastPolicy {
@@ -206,6 +229,7 @@ impl AutocastPolicy {
             enabled: true,
             context,
             transparent: false,
+            phase: Phase::Normal,
         }
     }
 
@@ -215,6 +239,7 @@ impl AutocastPolicy {
             enabled: false,
             context,
             transparent: true,
+            phase: Phase::Normal,
         }
     }
 
@@ -309,6 +334,7 @@ pub fn disable() -> AutocastGuard {
             enabled: false,
             context: p.context,
             transparent: false,
+            phase: Phase::Normal,
         }),
         None => AutocastGuard {
             id: None,
@@ -350,6 +376,37 @@ pub(crate) fn active() -> Option<Arc<CastContext>> {
 /// synchronised batch norm).
 pub(crate) fn sync_group() -> Option<Arc<dyn Communicator>> {
     SCOPES.with(|s| s.borrow().iter().rev().find_map(|(_, p)| p.context.sync_group()))
+}
+
+/// Every scope open on this thread, oldest first: what a recomputation re-enters so that it
+/// runs under the policy the first forward ran under.
+pub(crate) fn open_scopes() -> Vec<AutocastPolicy> {
+    SCOPES.with(|s| s.borrow().iter().map(|(_, p)| p.clone()).collect())
+}
+
+/// Marks this thread as being in `phase` until the guard drops.
+pub(crate) fn enter_phase(phase: Phase) -> AutocastGuard {
+    let context = SCOPES
+        .with(|s| s.borrow().last().map(|(_, p)| p.context.clone()))
+        .unwrap_or_else(|| Arc::new(CastContext::new(DType::F16, 0)));
+    enter(AutocastPolicy {
+        enabled: false,
+        context,
+        transparent: true,
+        phase,
+    })
+}
+
+/// The innermost checkpointing phase on this thread.
+pub(crate) fn phase() -> Phase {
+    SCOPES.with(|s| {
+        s.borrow()
+            .iter()
+            .rev()
+            .map(|(_, p)| p.phase)
+            .find(|p| *p != Phase::Normal)
+            .unwrap_or(Phase::Normal)
+    })
 }
 
 /// Whether autocast is enabled on this thread.

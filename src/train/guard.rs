@@ -20,7 +20,7 @@ use candle_core::{DType, Tensor, Var};
 use std::sync::Arc;
 
 use super::optim::{AmpOptimizer, Round};
-use super::run::RunState;
+use super::run::{RunState, merge_grads};
 use crate::error::{AmpError, CallOrderKind, Result};
 use crate::kernels::unscale::{nonfinite, unscale_check as unscale_kernel};
 
@@ -205,6 +205,8 @@ pub(crate) fn run_stages(
     }
     let owned: Vec<Vec<(String, Var)>> = optimizers.iter_mut().map(|o| o.trained_vars()).collect::<Result<_>>()?;
     let all: Vec<(String, Var)> = owned.iter().flatten().cloned().collect();
+    // Gradients of checkpointed segments, recomputed during this backward (`recompute`).
+    merge_grads(&mut grads, run.take_recomputed(Some(&all)), false)?;
     let reducer = run.reducer();
     if let Some(r) = &reducer {
         r.reduce(&mut grads, &all)?;

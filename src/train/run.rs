@@ -7,6 +7,9 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Var};
+
 use super::reduce::{GradReducer, StepReducer};
 use super::rng::Generator;
 use crate::error::{AmpError, Result};
@@ -30,6 +33,10 @@ pub(crate) struct RunState {
     claims: Mutex<BTreeMap<usize, Filter>>,
     generators: Mutex<BTreeMap<String, Generator>>,
     pub casts: Arc<CastContext>,
+    /// Parameter gradients that recomputed segments (`recompute`) produced during a
+    /// backward, waiting for the guard's stages (candle's backward returns only the
+    /// segment inputs' gradients through the graph).
+    recomputed: Mutex<GradStore>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -52,6 +59,29 @@ impl RunState {
             claims: Mutex::new(BTreeMap::new()),
             generators: Mutex::new(BTreeMap::new()),
             casts,
+            recomputed: Mutex::new(GradStore::default()),
+        }
+    }
+
+    /// Adds gradients a recomputed segment produced to the ones waiting for the stages.
+    pub(crate) fn stash_recomputed(&self, grads: GradStore) -> candle_core::Result<()> {
+        merge_grads(&mut lock(&self.recomputed), grads, false)
+    }
+
+    /// Takes the waiting recomputed gradients of `vars` (all of them with `None`).
+    pub(crate) fn take_recomputed(&self, vars: Option<&[(String, Var)]>) -> GradStore {
+        let mut st = lock(&self.recomputed);
+        match vars {
+            None => std::mem::take(&mut *st),
+            Some(vars) => {
+                let mut out = GradStore::default();
+                for (_, v) in vars {
+                    if let Some(g) = st.remove(v.as_tensor()) {
+                        out.insert(v.as_tensor(), g);
+                    }
+                }
+                out
+            }
         }
     }
 
@@ -89,6 +119,19 @@ impl RunState {
             .clone()
     }
 
+    /// Every generator, by name (clones share their streams).
+    pub(crate) fn generators(&self) -> Vec<(String, Generator)> {
+        lock(&self.generators)
+            .iter()
+            .map(|(k, g)| (k.clone(), g.clone()))
+            .collect()
+    }
+
+    /// The state a generator called `name` starts from in this run.
+    pub(crate) fn initial_generator_state(&self, name: &str) -> rand_chacha::ChaCha8Rng {
+        Generator::new(self.props.seed, name).snapshot()
+    }
+
     /// Every generator's state, by name.
     pub(crate) fn generator_states(&self) -> BTreeMap<String, rand_chacha::ChaCha8Rng> {
         lock(&self.generators)
@@ -115,4 +158,26 @@ impl RunState {
     pub(crate) fn scaler_states(&self) -> Vec<ScalerState> {
         self.scalers_mut().iter().map(|s| s.state.clone()).collect()
     }
+}
+
+/// Adds `from`'s gradients to `into`'s (candle's `GradStore::extend`, but across types: a
+/// gradient summed in f32 meets a half one in f32). `widen`: `from`'s half gradients join in
+/// f32.
+pub(crate) fn merge_grads(into: &mut GradStore, from: GradStore, widen: bool) -> candle_core::Result<()> {
+    let ids: Vec<_> = from.get_ids().copied().collect();
+    for id in ids {
+        let Some(g) = from.get_id(id) else { continue };
+        let g = if widen && matches!(g.dtype(), DType::F16 | DType::BF16) {
+            g.to_dtype(DType::F32)?
+        } else {
+            g.clone()
+        };
+        let sum = match into.get_id(id) {
+            Some(e) if e.dtype() == g.dtype() => e.add(&g)?.detach(),
+            Some(e) => e.to_dtype(DType::F32)?.add(&g.to_dtype(DType::F32)?)?.detach(),
+            None => g,
+        };
+        into.insert_id(id, sum);
+    }
+    Ok(())
 }

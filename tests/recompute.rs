@@ -1,0 +1,503 @@
+//! Gradient checkpointing and chunked feed-forward against the plain forward at every opt
+//! level: gradients, weights, dropout masks, the loss scale's trajectory with overflows
+//! inside checkpointed segments, batch norm's running statistics, `GradScaler`, and bad
+//! arguments.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use candle_amp::nn::{BatchNorm, Dropout, LayerNorm, Linear, batch_norm, layer_norm, linear};
+use candle_amp::optim::{Sgd, SgdConfig};
+use candle_amp::recompute::{Recompute, chunked_forward};
+use candle_amp::{self as amp, AmpConfig, AmpError, DynamicParams, GradScaler, HalfType, OptLevel};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{ModuleT, VarBuilder};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+const D: usize = 8;
+const T: usize = 6;
+const BATCH: usize = 3;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Mode {
+    Plain,
+    /// `checkpoint_sequential` with this many segments.
+    Sequential(usize),
+    /// `checkpoint` around every block.
+    EveryBlock,
+    /// The feed-forward in slices of this many positions, recomputed per slice.
+    Chunked(usize),
+    /// Both: two segments, and chunks inside the blocks.
+    Both,
+}
+
+/// The position-wise feed-forward of a block.
+#[derive(Clone)]
+struct Ffn {
+    ln: LayerNorm,
+    up: Linear,
+    down: Linear,
+}
+
+impl Module for Ffn {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.down
+            .forward(&amp::ops::gelu(&self.up.forward(&self.ln.forward(x)?)?)?)
+    }
+}
+
+/// A pre-norm residual block: `x + dropout(ffn(x)) * gain`, where `gain` (1 unless a test
+/// injects an overflow) multiplies inside the block.
+#[derive(Clone)]
+struct Block {
+    ffn: Ffn,
+    drop: Dropout,
+    rc: Recompute,
+    chunk: Option<usize>,
+    gain: Arc<AtomicU32>,
+}
+
+impl ModuleT for Block {
+    fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
+        let h = match self.chunk {
+            Some(c) => self.rc.chunked_forward(&self.ffn, c, 1, x, train)?,
+            None => self.ffn.forward(x)?,
+        };
+        let gain = f32::from_bits(self.gain.load(Ordering::Relaxed)) as f64;
+        let h = (self.drop.forward_t(&h, train)? * gain)?;
+        amp::ops::add(x, &h)
+    }
+}
+
+struct Net {
+    inp: Linear,
+    blocks: Vec<Block>,
+    ln: LayerNorm,
+    head: Linear,
+    rc: Recompute,
+    mode: Mode,
+}
+
+impl Net {
+    fn new(
+        vb: VarBuilder,
+        amp: &amp::Amp,
+        rc: &Recompute,
+        mode: Mode,
+        gain: &Arc<AtomicU32>,
+    ) -> candle_core::Result<Self> {
+        let chunk = match mode {
+            Mode::Chunked(c) => Some(c),
+            Mode::Both => Some(4),
+            _ => None,
+        };
+        let drop = amp.generator("dropout");
+        Ok(Self {
+            inp: linear(5, D, vb.pp("inp"))?,
+            blocks: (0..4)
+                .map(|i| {
+                    let vb = vb.pp(format!("b{i}"));
+                    Ok(Block {
+                        ffn: Ffn {
+                            ln: layer_norm(D, 1e-5, vb.pp("ln"))?,
+                            up: linear(D, 4 * D, vb.pp("up"))?,
+                            down: linear(4 * D, D, vb.pp("down"))?,
+                        },
+                        drop: Dropout::new(0.2, drop.clone())?,
+                        rc: rc.clone(),
+                        chunk,
+                        gain: gain.clone(),
+                    })
+                })
+                .collect::<candle_core::Result<_>>()?,
+            ln: layer_norm(D, 1e-5, vb.pp("ln"))?,
+            head: linear(D, 2, vb.pp("head"))?,
+            rc: rc.clone(),
+            mode,
+        })
+    }
+}
+
+impl ModuleT for Net {
+    fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
+        let mut h = self.inp.forward(x)?;
+        match self.mode {
+            Mode::Sequential(s) => h = self.rc.checkpoint_sequential(&self.blocks, s, &h, train)?,
+            Mode::Both => h = self.rc.checkpoint_sequential(&self.blocks, 2, &h, train)?,
+            Mode::EveryBlock => {
+                for b in &self.blocks {
+                    h = self.rc.checkpoint(b, &h, train)?;
+                }
+            }
+            Mode::Plain | Mode::Chunked(_) => {
+                for b in &self.blocks {
+                    h = b.forward_t(&h, train)?;
+                }
+            }
+        }
+        self.head.forward(&self.ln.forward(&h)?)
+    }
+}
+
+fn batch(step: usize) -> (Tensor, Tensor) {
+    let mut r = ChaCha8Rng::seed_from_u64(100 + step as u64);
+    let x: Vec<f32> = (0..BATCH * T * 5).map(|_| r.random_range(-1.0..1.0)).collect();
+    let y: Vec<f32> = (0..BATCH * T * 2).map(|_| r.random_range(-1.0..1.0)).collect();
+    (
+        Tensor::from_vec(x, (BATCH, T, 5), &Device::Cpu).unwrap(),
+        Tensor::from_vec(y, (BATCH, T, 2), &Device::Cpu).unwrap(),
+    )
+}
+
+/// What a run ends with.
+#[derive(Debug, PartialEq)]
+struct Outcome {
+    /// The last step's master gradients, as bits.
+    grads: BTreeMap<String, Vec<u32>>,
+    /// Every parameter after the steps, as bits.
+    weights: BTreeMap<String, Vec<u32>>,
+    /// The loss scale after each step.
+    scales: Vec<f32>,
+    skipped: u64,
+    /// The dropout generator's state at the end.
+    rng: ChaCha8Rng,
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .into_iter()
+        .map(f32::to_bits)
+        .collect()
+}
+
+/// `steps` steps with the guard; `gain_at`: the steps at which the blocks' gain is huge.
+fn run(
+    level: OptLevel,
+    half: HalfType,
+    mode: Mode,
+    cfg: impl Fn(AmpConfig) -> AmpConfig,
+    steps: usize,
+    gain_at: &[usize],
+) -> Outcome {
+    let amp = amp::Amp::new(cfg(AmpConfig::new(level).half(half).seed(7).verbosity(0)), &Device::Cpu).unwrap();
+    let rc = Recompute::new(&amp);
+    let gain = Arc::new(AtomicU32::new(1f32.to_bits()));
+    let model = amp.model(|vb| Net::new(vb, &amp, &rc, mode, &gain)).unwrap();
+    let mut opt = amp.optimizer(Sgd::new(SgdConfig::new(0.02)).unwrap()).unwrap();
+    let mut out = Outcome {
+        grads: BTreeMap::new(),
+        weights: BTreeMap::new(),
+        scales: Vec::new(),
+        skipped: 0,
+        rng: amp.generator("dropout").snapshot(),
+    };
+    for step in 0..steps {
+        let g = if gain_at.contains(&step) { 6e4f32 } else { 1.0 };
+        gain.store(g.to_bits(), Ordering::Relaxed);
+        let (x, y) = batch(step);
+        let pred = model.forward(&x).unwrap().to_dtype(DType::F32).unwrap();
+        let loss = amp::ops::mse(&pred, &y).unwrap();
+        let guard = amp.scale_loss(&loss, &mut opt).unwrap();
+        if mode == Mode::Plain {
+            guard.backward().unwrap();
+        } else {
+            guard.backward_with(|l| rc.backward(l)).unwrap();
+        }
+        out.grads = opt.master_grads().iter().map(|(k, v)| (k.clone(), bits(v))).collect();
+        let o = opt.step().unwrap();
+        out.scales.push(o.loss_scale());
+        opt.zero_grad();
+    }
+    out.skipped = opt.skipped_steps();
+    out.weights = amp
+        .store()
+        .params()
+        .iter()
+        .map(|p| (p.name().to_string(), bits(&p.f32_value().unwrap())))
+        .collect();
+    out.rng = amp.generator("dropout").snapshot();
+    out
+}
+
+fn assert_close(a: &BTreeMap<String, Vec<u32>>, b: &BTreeMap<String, Vec<u32>>, tol: f32, what: &str) {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>(), "{what}");
+    for (k, va) in a {
+        let scale = b[k]
+            .iter()
+            .map(|v| f32::from_bits(*v).abs())
+            .fold(0f32, f32::max)
+            .max(1e-3);
+        for (i, (x, y)) in va.iter().zip(&b[k]).enumerate() {
+            let (x, y) = (f32::from_bits(*x), f32::from_bits(*y));
+            assert!(x.is_finite() && y.is_finite(), "{what}: {k}[{i}] {x} vs {y}");
+            assert!(
+                (x - y).abs() <= tol * scale,
+                "{what}: {k}[{i}] {x} vs {y} (max |.| {scale})"
+            );
+        }
+    }
+}
+
+/// A starting scale low enough that these small models' gradients do not overflow.
+fn small_scale(c: AmpConfig) -> AmpConfig {
+    c.dynamic(DynamicParams {
+        init_scale: 256.0,
+        ..Default::default()
+    })
+}
+
+const LEVELS: [(OptLevel, HalfType); 5] = [
+    (OptLevel::O0, HalfType::F16),
+    (OptLevel::O1, HalfType::F16),
+    (OptLevel::O2, HalfType::F16),
+    (OptLevel::O2, HalfType::Bf16),
+    (OptLevel::O3, HalfType::F16),
+];
+
+#[test]
+fn checkpointed_gradients_equal_the_plain_ones_bit_for_bit_dropout_included() {
+    // A stack of blocks, each used in one segment: the recomputation repeats the forward's
+    // operations in the same order, with the same dropout masks, so gradients, weights and
+    // the generator's final state are bit-identical at every level.
+    for (level, half) in LEVELS {
+        let plain = run(level, half, Mode::Plain, small_scale, 3, &[]);
+        assert_eq!(plain.skipped, 0, "{level} {half}");
+        assert!(
+            plain.grads.values().all(|g| g.iter().any(|&b| b != 0)),
+            "dropout kept something"
+        );
+        for mode in [Mode::Sequential(2), Mode::Sequential(4), Mode::EveryBlock] {
+            let ck = run(level, half, mode, small_scale, 3, &[]);
+            assert_eq!(ck, plain, "{level} {half} {mode:?}");
+        }
+    }
+}
+
+#[test]
+fn chunked_feed_forward_equals_the_plain_one_at_every_level() {
+    // Slices change how the weight gradients' partial sums are added: equal up to rounding.
+    for (level, half) in LEVELS {
+        let plain = run(level, half, Mode::Plain, small_scale, 3, &[]);
+        assert_eq!(plain.skipped, 0, "{level} {half}");
+        // Half-precision rounding in a different place (slices' sums, gradients kept in f32),
+        // compounded over three steps: a few units in the last place of the largest value.
+        let tol = match (level, half) {
+            (OptLevel::O0, _) => 1e-5,
+            (_, HalfType::F16) => 1e-2,
+            _ => 6e-2,
+        };
+        for mode in [Mode::Chunked(1), Mode::Chunked(4), Mode::Chunked(T), Mode::Both] {
+            let ck = run(level, half, mode, small_scale, 3, &[]);
+            let what = format!("{level} {half} {mode:?}");
+            assert_close(&ck.grads, &plain.grads, tol, &what);
+            assert_close(&ck.weights, &plain.weights, tol, &what);
+            assert_eq!(ck.rng, plain.rng, "{what}: dropout draws");
+            assert_eq!(ck.scales, plain.scales, "{what}");
+        }
+    }
+}
+
+#[test]
+fn an_overflow_inside_a_checkpointed_segment_skips_the_step_like_any_other() {
+    // At O2 f16 a gain of 6e4 inside the blocks overflows the half activations at steps 1
+    // and 3; with a starting scale of 2^24 the first steps' gradients overflow too. The
+    // checkpointed run skips exactly the plain run's steps and follows its scale.
+    let cfg = |c: AmpConfig| {
+        c.dynamic(DynamicParams {
+            init_scale: 2f32.powi(24),
+            growth_interval: 2,
+            ..Default::default()
+        })
+    };
+    let plain = run(OptLevel::O2, HalfType::F16, Mode::Plain, cfg, 6, &[1, 3]);
+    assert!(plain.skipped >= 2, "the injected overflows skip: {plain:?}");
+    for mode in [Mode::Sequential(2), Mode::EveryBlock, Mode::Both] {
+        let ck = run(OptLevel::O2, HalfType::F16, mode, cfg, 6, &[1, 3]);
+        assert_eq!(ck.scales, plain.scales, "{mode:?}");
+        assert_eq!(ck.skipped, plain.skipped, "{mode:?}");
+        if mode != Mode::Both {
+            assert_eq!(ck.weights, plain.weights, "{mode:?}");
+        }
+    }
+    // Only the overflowing step: weights after it are bit-identical to before it.
+    let before = run(OptLevel::O2, HalfType::F16, Mode::Sequential(2), small_scale, 1, &[]);
+    let after = run(OptLevel::O2, HalfType::F16, Mode::Sequential(2), small_scale, 2, &[1]);
+    assert_eq!(after.skipped, 1);
+    assert_eq!(after.weights, before.weights);
+}
+
+#[test]
+fn checkpointing_works_with_grad_scaler() {
+    let go = |ck: bool| {
+        let amp = amp::Amp::new(AmpConfig::new(OptLevel::O2).seed(7).verbosity(0), &Device::Cpu).unwrap();
+        let rc = Recompute::new(&amp);
+        let gain = Arc::new(AtomicU32::new(1f32.to_bits()));
+        let mode = if ck { Mode::Sequential(2) } else { Mode::Plain };
+        let model = amp.model(|vb| Net::new(vb, &amp, &rc, mode, &gain)).unwrap();
+        let mut opt = amp.optimizer(Sgd::new(SgdConfig::new(0.02)).unwrap()).unwrap();
+        let mut scaler = GradScaler::new();
+        for step in 0..3 {
+            let (x, y) = batch(step);
+            let loss = amp::ops::mse(&model.forward(&x).unwrap().to_dtype(DType::F32).unwrap(), &y).unwrap();
+            let scaled = scaler.scale(&loss).unwrap();
+            let grads = if ck {
+                rc.backward(&scaled).unwrap()
+            } else {
+                scaled.backward().unwrap()
+            };
+            scaler.step(&mut opt, &grads).unwrap();
+            scaler.update(None).unwrap();
+            opt.zero_grad();
+        }
+        amp.store()
+            .params()
+            .iter()
+            .map(|p| (p.name().to_string(), bits(&p.f32_value().unwrap())))
+            .collect::<BTreeMap<_, _>>()
+    };
+    assert_eq!(go(true), go(false));
+}
+
+/// A block with batch norm over the channels of `(batch, channels)` input.
+#[derive(Clone)]
+struct BnBlock {
+    fc: Linear,
+    bn: BatchNorm,
+}
+
+impl ModuleT for BnBlock {
+    fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
+        amp::ops::relu(&self.bn.forward_t(&self.fc.forward(x)?, train)?)
+    }
+}
+
+#[test]
+fn batch_norm_in_a_recomputed_segment_updates_its_running_statistics_once() {
+    let go = |segments: usize| {
+        let amp = amp::Amp::new(AmpConfig::new(OptLevel::O2).seed(3).verbosity(0), &Device::Cpu).unwrap();
+        let rc = Recompute::new(&amp);
+        let model = amp
+            .model(|vb| {
+                (0..2)
+                    .map(|i| {
+                        Ok(BnBlock {
+                            fc: linear(4, 4, vb.pp(format!("fc{i}")))?,
+                            bn: batch_norm(4, 1e-5, vb.pp(format!("bn{i}")))?,
+                        })
+                    })
+                    .collect::<candle_core::Result<Vec<_>>>()
+            })
+            .unwrap();
+        let mut opt = amp.optimizer(Sgd::new(SgdConfig::new(0.02)).unwrap()).unwrap();
+        let x = Tensor::randn(0f32, 1.0, (6, 4), &Device::Cpu).unwrap();
+        let _ = &x;
+        for step in 0..2 {
+            let x = batch(step).0.flatten_to(1).unwrap().narrow(1, 0, 4).unwrap();
+            let h = rc
+                .checkpoint_sequential(model.inner(), segments, &x.to_dtype(DType::F16).unwrap(), true)
+                .unwrap();
+            let loss = h.to_dtype(DType::F32).unwrap().sqr().unwrap().mean_all().unwrap();
+            amp.scale_loss(&loss, &mut opt)
+                .unwrap()
+                .backward_with(|l| rc.backward(l))
+                .unwrap();
+            opt.step().unwrap();
+            opt.zero_grad();
+        }
+        amp.store()
+            .params()
+            .iter()
+            .map(|p| (p.name().to_string(), bits(&p.f32_value().unwrap())))
+            .collect::<BTreeMap<_, _>>()
+    };
+    let plain = go(1);
+    assert!(plain.contains_key("bn0.running_mean"));
+    assert_eq!(go(2), plain);
+}
+
+#[test]
+fn forward_values_equal_the_plain_model_in_training_and_evaluation() {
+    let out = |mode: Mode, train: bool| {
+        let amp = amp::Amp::new(AmpConfig::new(OptLevel::O2).seed(7), &Device::Cpu).unwrap();
+        let rc = Recompute::new(&amp);
+        let gain = Arc::new(AtomicU32::new(1f32.to_bits()));
+        let model = amp.model(|vb| Net::new(vb, &amp, &rc, mode, &gain)).unwrap();
+        if !train {
+            model.eval();
+        }
+        bits(&model.forward(&batch(0).0).unwrap())
+    };
+    for train in [true, false] {
+        let plain = out(Mode::Plain, train);
+        // Checkpointing runs the same operations: the same bits.
+        for mode in [Mode::Sequential(4), Mode::EveryBlock] {
+            assert_eq!(out(mode, train), plain, "{mode:?} train={train}");
+        }
+        // Slices are products of other shapes, rounded in half on their own.
+        for mode in [Mode::Chunked(4), Mode::Both] {
+            let got = out(mode, train);
+            let max = plain.iter().map(|b| f32::from_bits(*b).abs()).fold(0f32, f32::max);
+            for (a, b) in got.iter().zip(&plain) {
+                let (a, b) = (f32::from_bits(*a), f32::from_bits(*b));
+                assert!((a - b).abs() <= 1e-2 * max, "{mode:?} train={train}: {a} vs {b}");
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_arguments_are_typed_errors() {
+    let amp = amp::Amp::new(AmpConfig::new(OptLevel::O0), &Device::Cpu).unwrap();
+    let rc = Recompute::new(&amp);
+    let blocks = amp
+        .model(|vb| {
+            (0..3)
+                .map(|i| linear(4, 4, vb.pp(format!("l{i}"))))
+                .collect::<candle_core::Result<Vec<_>>>()
+        })
+        .unwrap();
+    let x = Tensor::ones((2, 4), DType::F32, &Device::Cpu).unwrap();
+    for segments in [0, 4] {
+        match rc.checkpoint_sequential(blocks.inner(), segments, &x, true) {
+            Err(AmpError::InvalidArgument { argument, .. }) => assert_eq!(argument, "segments"),
+            other => panic!("{segments} segments: {other:?}"),
+        }
+    }
+    let f = |x: &Tensor| x.relu();
+    match chunked_forward(&f, 0, 1, &x) {
+        Err(AmpError::InvalidArgument { argument, .. }) => assert_eq!(argument, "chunk_size"),
+        other => panic!("{other:?}"),
+    }
+    match rc.chunked_forward(&f, 2, 2, &x, true) {
+        Err(AmpError::InvalidArgument { argument, .. }) => assert_eq!(argument, "dim"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn chunked_inference_equals_the_whole_layer() {
+    let amp = amp::Amp::new(AmpConfig::new(OptLevel::O0).seed(2), &Device::Cpu).unwrap();
+    let ffn = amp
+        .model(|vb| {
+            Ok(Ffn {
+                ln: layer_norm(D, 1e-5, vb.pp("ln"))?,
+                up: linear(D, 4 * D, vb.pp("up"))?,
+                down: linear(4 * D, D, vb.pp("down"))?,
+            })
+        })
+        .unwrap();
+    let x = Tensor::randn(0f32, 1.0, (2, 7, D), &Device::Cpu).unwrap();
+    let whole = ffn.inner().forward(&x).unwrap();
+    for c in [1, 3, 7, 20] {
+        let sliced = chunked_forward(ffn.inner(), c, 1, &x).unwrap();
+        let d = (&whole - &sliced).unwrap().abs().unwrap().max_all().unwrap();
+        assert!(d.to_scalar::<f32>().unwrap() < 1e-5, "chunk {c}");
+    }
+}
