@@ -156,17 +156,7 @@ fn train_span(
             d.barrier().unwrap();
         }
     }
-    let mut state: Vec<(String, Vec<u32>)> = amp
-        .store()
-        .params()
-        .iter()
-        .map(|p| {
-            let v = p.f32_value().unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            (p.name().to_string(), v.into_iter().map(f32::to_bits).collect())
-        })
-        .collect();
-    state.sort();
-    (state, amp.loss_scale(0).unwrap())
+    (state_of(&amp), amp.loss_scale(0).unwrap())
 }
 
 #[test]

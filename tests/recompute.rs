@@ -3,6 +3,8 @@
 //! inside checkpointed segments, batch norm's running statistics, `GradScaler`, and bad
 //! arguments.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -166,15 +168,7 @@ struct Outcome {
 }
 
 fn bits(t: &Tensor) -> Vec<u32> {
-    t.to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .into_iter()
-        .map(f32::to_bits)
-        .collect()
+    common::flat(t).into_iter().map(f32::to_bits).collect()
 }
 
 /// `steps` steps with the guard; `gain_at`: the steps at which the blocks' gain is huge.
@@ -216,12 +210,7 @@ fn run(
         opt.zero_grad();
     }
     out.skipped = opt.skipped_steps();
-    out.weights = amp
-        .store()
-        .params()
-        .iter()
-        .map(|p| (p.name().to_string(), bits(&p.f32_value().unwrap())))
-        .collect();
+    out.weights = common::f32_bits(amp.store());
     out.rng = amp.generator("dropout").snapshot();
     out
 }
@@ -356,11 +345,7 @@ fn checkpointing_works_with_grad_scaler() {
             scaler.update(None).unwrap();
             opt.zero_grad();
         }
-        amp.store()
-            .params()
-            .iter()
-            .map(|p| (p.name().to_string(), bits(&p.f32_value().unwrap())))
-            .collect::<BTreeMap<_, _>>()
+        common::f32_bits(amp.store())
     };
     assert_eq!(go(true), go(false));
 }
@@ -411,11 +396,7 @@ fn batch_norm_in_a_recomputed_segment_updates_its_running_statistics_once() {
             opt.step().unwrap();
             opt.zero_grad();
         }
-        amp.store()
-            .params()
-            .iter()
-            .map(|p| (p.name().to_string(), bits(&p.f32_value().unwrap())))
-            .collect::<BTreeMap<_, _>>()
+        common::f32_bits(amp.store())
     };
     let plain = go(1);
     assert!(plain.contains_key("bn0.running_mean"));
@@ -500,4 +481,34 @@ fn chunked_inference_equals_the_whole_layer() {
         let d = (&whole - &sliced).unwrap().abs().unwrap().max_all().unwrap();
         assert!(d.to_scalar::<f32>().unwrap() < 1e-5, "chunk {c}");
     }
+}
+
+#[test]
+fn segments_on_input_data_get_their_gradients() {
+    // The input is outside any graph: the segment node hangs off a variable of its own.
+    let grads = |how: u8| {
+        let amp = amp::Amp::new(AmpConfig::new(OptLevel::O0).seed(4), &Device::Cpu).unwrap();
+        let rc = Recompute::new(&amp);
+        let model = amp.model(|vb| linear(5, 3, vb.pp("fc"))).unwrap();
+        let mut opt = amp.optimizer(Sgd::new(SgdConfig::new(0.1)).unwrap()).unwrap();
+        let (x, _) = batch(0);
+        let y = match how {
+            0 => model.inner().forward(&x).unwrap(),
+            1 => rc.chunked_forward(model.inner(), 2, 1, &x, true).unwrap(),
+            _ => rc.checkpoint(model.inner(), &x, true).unwrap(),
+        };
+        let loss = y.sqr().unwrap().mean_all().unwrap();
+        amp.scale_loss(&loss, &mut opt)
+            .unwrap()
+            .backward_with(|l| rc.backward(l))
+            .unwrap();
+        opt.master_grads()
+            .iter()
+            .map(|(k, v)| (k.clone(), bits(v)))
+            .collect::<BTreeMap<_, _>>()
+    };
+    let plain = grads(0);
+    assert_eq!(plain.len(), 2);
+    assert_close(&grads(1), &plain, 1e-6, "chunked");
+    assert_eq!(grads(2), plain, "checkpointed");
 }

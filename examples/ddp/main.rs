@@ -17,6 +17,8 @@
 //! per step of the gradient all-reduce) beside the `train` example's keys. A checkpoint
 //! written on one number of ranks resumes on any other.
 
+#[path = "../train/cli.rs"]
+mod cli;
 #[path = "../train/data.rs"]
 mod data;
 #[allow(dead_code)]
@@ -33,8 +35,9 @@ use anyhow::{Context, Result, bail};
 use candle_amp as amp;
 use candle_amp::checkpoint::CheckpointDir;
 use candle_amp::dist::{Communicator, DataParallel, DataParallelConfig, DistributedSampler, MpiComm};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 
+use cli::{check_writable, half_label, rows};
 use data::Dataset;
 use models::Mlp;
 
@@ -166,38 +169,8 @@ struct RunResult {
     progress: Progress,
 }
 
-fn rows(d: &Dataset, idx: &[usize]) -> Result<(Tensor, Tensor)> {
-    let w = d.width;
-    let mut x = Vec::with_capacity(idx.len() * w);
-    let mut y = Vec::with_capacity(idx.len());
-    for &i in idx {
-        x.extend_from_slice(&d.x[i * w..(i + 1) * w]);
-        y.push(d.y[i]);
-    }
-    Ok((
-        Tensor::from_vec(x, (idx.len(), w), &Device::Cpu)?,
-        Tensor::from_vec(y, idx.len(), &Device::Cpu)?,
-    ))
-}
-
 fn run_dir(root: &str, level: amp::OptLevel, half: amp::HalfType) -> CheckpointDir {
     CheckpointDir::new(std::path::Path::new(root).join(format!("mlp-{level}-{half}")), 1)
-}
-
-fn half_label(level: amp::OptLevel, half: amp::HalfType) -> String {
-    if level == amp::OptLevel::O0 {
-        "-".into()
-    } else {
-        half.to_string()
-    }
-}
-
-fn check_writable(flag: &str, dir: &str) -> Result<()> {
-    std::fs::create_dir_all(dir).with_context(|| format!("{flag} {dir}: cannot create the directory"))?;
-    let probe = std::path::Path::new(dir).join(format!(".candle-amp-probe-{}", std::process::id()));
-    std::fs::write(&probe, b"").with_context(|| format!("{flag} {dir}: the directory is not writable"))?;
-    std::fs::remove_file(&probe).with_context(|| format!("{flag} {dir}: cannot remove {}", probe.display()))?;
-    Ok(())
 }
 
 /// Every rank learns whether any rank failed `r` (a collective: call it on every rank), so

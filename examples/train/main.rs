@@ -18,6 +18,7 @@
 //! * `--report DIR` draws `DIR/<model>.svg`: training loss per step for each level, and the
 //!   loss scale over the steps with skipped steps marked.
 
+mod cli;
 mod data;
 mod models;
 mod report;
@@ -34,6 +35,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
+use cli::{check_writable, half_label, rows};
 use data::Dataset;
 use models::{Cnn, Mlp, Transformer, TransformerConfig};
 
@@ -207,21 +209,6 @@ fn reverse_batch(rng: &mut impl Rng, n: usize) -> Result<(Tensor, Tensor)> {
     ))
 }
 
-fn rows(d: &Dataset, idx: &[usize]) -> Result<(Tensor, Tensor)> {
-    let w = d.width;
-    let mut x = Vec::with_capacity(idx.len() * w);
-    let mut y = Vec::with_capacity(idx.len());
-    for &i in idx {
-        x.extend_from_slice(&d.x[i * w..(i + 1) * w]);
-        y.push(d.y[i]);
-    }
-    let dev = Device::Cpu;
-    Ok((
-        Tensor::from_vec(x, (idx.len(), w), &dev)?,
-        Tensor::from_vec(y, idx.len(), &dev)?,
-    ))
-}
-
 /// The model variants the example trains.
 enum Net {
     Mlp(Mlp),
@@ -252,24 +239,6 @@ fn score(kind: ModelKind, logits: &Tensor, y: &Tensor) -> Result<(Tensor, usize,
     let truth = y.flatten_all()?.to_vec1::<u32>()?;
     let correct = pred.iter().zip(&truth).filter(|(p, t)| p == t).count();
     Ok((loss, correct, truth.len()))
-}
-
-/// The half type a level computes in, for the table: none at O0 (pure f32).
-fn half_label(level: amp::OptLevel, half: amp::HalfType) -> String {
-    if level == amp::OptLevel::O0 {
-        "-".into()
-    } else {
-        half.to_string()
-    }
-}
-
-/// Fails now, before any training, if `dir` cannot be created or written.
-fn check_writable(flag: &str, dir: &str) -> Result<()> {
-    std::fs::create_dir_all(dir).with_context(|| format!("{flag} {dir}: cannot create the directory"))?;
-    let probe = std::path::Path::new(dir).join(format!(".candle-amp-probe-{}", std::process::id()));
-    std::fs::write(&probe, b"").with_context(|| format!("{flag} {dir}: the directory is not writable"))?;
-    std::fs::remove_file(&probe).with_context(|| format!("{flag} {dir}: cannot remove {}", probe.display()))?;
-    Ok(())
 }
 
 fn run_dir(root: &str, kind: ModelKind, level: amp::OptLevel, half: amp::HalfType) -> CheckpointDir {

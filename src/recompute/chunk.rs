@@ -31,29 +31,35 @@ pub(crate) fn pieces(x: &Tensor, dim: usize, size: usize) -> candle_core::Result
         .collect()
 }
 
-/// `f` on each slice, concatenated, outside the graph: each slice's intermediates are
-/// freed before the next slice runs (candle records a graph whenever a parameter is a
-/// variable, evaluation included, so keeping it would keep every slice's).
-pub(crate) fn chunked_detached(
+/// `f` on each slice of `x` (`size` positions along `dim`), concatenated. Later slices
+/// repeat the first one's op sites, so autocast counts their half ops once.
+pub(crate) fn map_slices(
     x: &Tensor,
-    chunk_size: usize,
     dim: usize,
+    size: usize,
     f: impl Fn(&Tensor) -> candle_core::Result<Tensor>,
-) -> Result<Tensor> {
-    let x = x.detach();
-    if x.dim(dim)? <= chunk_size {
-        return Ok(f(&x)?.detach());
-    }
-    let outs = pieces(&x, dim, chunk_size)?
+) -> candle_core::Result<Tensor> {
+    let outs = pieces(x, dim, size)?
         .iter()
         .enumerate()
         .map(|(i, p)| {
-            // Later slices repeat the first one's op sites (autocast counts each site once).
             let _repeat = (i > 0).then(|| autocast::enter_phase(Phase::SliceRepeat));
-            f(p).map(|o| o.detach())
+            f(p)
         })
         .collect::<candle_core::Result<Vec<_>>>()?;
-    Ok(Tensor::cat(&outs, dim)?)
+    Tensor::cat(&outs, dim)
+}
+
+/// [`map_slices`] outside the graph: each slice's intermediates are freed before the next
+/// slice runs (candle records a graph whenever a parameter is a variable, evaluation
+/// included, so keeping it would keep every slice's).
+pub(crate) fn map_slices_detached(
+    x: &Tensor,
+    dim: usize,
+    size: usize,
+    f: impl Fn(&Tensor) -> candle_core::Result<Tensor>,
+) -> candle_core::Result<Tensor> {
+    map_slices(&x.detach(), dim, size, |p| f(p).map(|o| o.detach()))
 }
 
 /// Applies `module` to slices of `input` of `chunk_size` positions along `dim` and
@@ -85,5 +91,5 @@ pub(crate) fn chunked_detached(
 /// ```
 pub fn chunked_forward<M: Module>(module: &M, chunk_size: usize, dim: usize, input: &Tensor) -> Result<Tensor> {
     check_chunking(input, chunk_size, dim)?;
-    chunked_detached(input, chunk_size, dim, |p| module.forward(p))
+    Ok(map_slices_detached(input, dim, chunk_size, |p| module.forward(p))?)
 }

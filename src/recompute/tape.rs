@@ -14,7 +14,7 @@ use crate::error::{AmpError, Result};
 use crate::precision::autocast::{self, AutocastPolicy, Phase};
 use crate::train::run::{RunState, merge_grads};
 
-use super::chunk::{check_chunking, pieces};
+use super::chunk::{check_chunking, map_slices, map_slices_detached, pieces};
 use super::seed::backward_from;
 
 /// A segment's computation, run again during the backward.
@@ -371,19 +371,12 @@ impl Recompute {
     {
         check_chunking(x, chunk_size, dim)?;
         if !Self::records(train, x) {
-            if train {
+            return Ok(if train {
                 // Inside a checkpointed segment (or off the CPU): slices in the graph.
-                let outs = pieces(x, dim, chunk_size)?
-                    .iter()
-                    .enumerate()
-                    .map(|(i, p)| {
-                        let _repeat = (i > 0).then(|| autocast::enter_phase(Phase::SliceRepeat));
-                        module.forward_t(p, true)
-                    })
-                    .collect::<candle_core::Result<Vec<_>>>()?;
-                return Ok(Tensor::cat(&outs, dim)?);
-            }
-            return super::chunk::chunked_detached(x, chunk_size, dim, |p| module.forward_t(p, false));
+                map_slices(x, dim, chunk_size, |p| module.forward_t(p, true))?
+            } else {
+                map_slices_detached(x, dim, chunk_size, |p| module.forward_t(p, false))?
+            });
         }
         let module = module.clone();
         self.record(
@@ -398,26 +391,22 @@ impl Recompute {
     fn record(&self, f: SegmentFn, x: &Tensor, split: Option<(usize, usize)>) -> Result<Tensor> {
         let scopes = autocast::open_scopes();
         let rng = rng_states(&self.run);
+        // Whether the segment's output depends on a variable (its parameters).
+        let tracked = std::cell::Cell::new(false);
         let out = {
             let _phase = autocast::enter_phase(Phase::SegmentForward);
-            let xd = x.detach();
+            let run = |p: &Tensor| {
+                let o = f(p)?;
+                tracked.set(tracked.get() || o.track_op());
+                Ok(o)
+            };
             match split {
-                None => f(&xd)?,
-                Some((dim, size)) => {
-                    // Each slice's graph is dropped before the next slice runs.
-                    let outs = pieces(&xd, dim, size)?
-                        .iter()
-                        .enumerate()
-                        .map(|(i, p)| {
-                            let _repeat = (i > 0).then(|| autocast::enter_phase(Phase::SliceRepeat));
-                            f(p).map(|o| o.detach())
-                        })
-                        .collect::<candle_core::Result<Vec<_>>>()?;
-                    Tensor::cat(&outs, dim)?
-                }
+                None => run(&x.detach())?,
+                // Each slice's graph is dropped before the next slice runs.
+                Some((dim, size)) => map_slices_detached(x, dim, size, run)?,
             }
         };
-        if !out.track_op() && !x.track_op() {
+        if !tracked.get() && !x.track_op() {
             // Nothing in the segment needs a gradient: nothing to recompute.
             return Ok(out);
         }

@@ -101,6 +101,14 @@ pub fn store_values(store: &amp::ParamStore) -> std::collections::BTreeMap<Strin
         .collect()
 }
 
+/// The store's f32 values (masters where there are) by name, as their raw bit patterns.
+pub fn f32_bits(store: &amp::ParamStore) -> std::collections::BTreeMap<String, Vec<u32>> {
+    store_values(store)
+        .into_iter()
+        .map(|(k, v)| (k, v.into_iter().map(f32::to_bits).collect()))
+        .collect()
+}
+
 /// The store's working values by name, as their raw bit patterns (for bit-identity checks).
 pub fn working_bits(store: &amp::ParamStore) -> std::collections::BTreeMap<String, Vec<u32>> {
     store

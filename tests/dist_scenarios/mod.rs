@@ -189,6 +189,16 @@ pub fn train(
         }
         opt.zero_grad();
     }
+    Run {
+        state: state_of(&amp),
+        skipped: opt.skipped_steps(),
+        reductions: ddp.as_ref().map_or(0, |d| d.reductions()),
+        collectives: ddp.as_ref().map_or(0, |d| d.collectives()),
+    }
+}
+
+/// Every store tensor (parameters and buffers) as f32 bits, by name.
+pub fn state_of(amp: &amp::Amp) -> Vec<(String, Vec<u32>)> {
     let mut state: Vec<(String, Vec<u32>)> = amp
         .store()
         .params()
@@ -199,12 +209,7 @@ pub fn train(
         })
         .collect();
     state.sort();
-    Run {
-        state,
-        skipped: opt.skipped_steps(),
-        reductions: ddp.as_ref().map_or(0, |d| d.reductions()),
-        collectives: ddp.as_ref().map_or(0, |d| d.collectives()),
-    }
+    state
 }
 
 pub fn assert_close(a: &Run, b: &Run, tol: f32, what: &str) {
