@@ -199,7 +199,9 @@ fn run(
         let pred = model.forward(&x).unwrap().to_dtype(DType::F32).unwrap();
         let loss = amp::ops::mse(&pred, &y).unwrap();
         let guard = amp.scale_loss(&loss, &mut opt).unwrap();
-        if mode == Mode::Plain {
+        // The guard's plain backward also takes the recomputed segments' gradients (the
+        // stages collect them); `Sequential(4)` runs that way.
+        if matches!(mode, Mode::Plain | Mode::Sequential(4)) {
             guard.backward().unwrap();
         } else {
             guard.backward_with(|l| rc.backward(l)).unwrap();
