@@ -95,18 +95,25 @@ struct RestoreRng<'a> {
 
 impl Drop for RestoreRng<'_> {
     fn drop(&mut self) {
-        for (name, g) in self.run.generators() {
-            let state = self
-                .saved
-                .remove(&name)
-                .unwrap_or_else(|| self.run.initial_generator_state(&name));
-            g.restore(state);
-        }
+        set_rng_states(self.run, &self.saved);
     }
 }
 
 fn rng_states(run: &RunState) -> BTreeMap<String, ChaCha8Rng> {
     run.generators().into_iter().map(|(n, g)| (n, g.snapshot())).collect()
+}
+
+/// Puts every generator of the run at its state in `states`; one created since starts
+/// from its initial state.
+fn set_rng_states(run: &RunState, states: &BTreeMap<String, ChaCha8Rng>) {
+    for (name, g) in run.generators() {
+        g.restore(
+            states
+                .get(&name)
+                .cloned()
+                .unwrap_or_else(|| run.initial_generator_state(&name)),
+        );
+    }
 }
 
 impl Recording {
@@ -118,14 +125,7 @@ impl Recording {
             run: &self.run,
             saved: rng_states(&self.run),
         };
-        for (name, generator) in self.run.generators() {
-            let state = self
-                .rng
-                .get(&name)
-                .cloned()
-                .unwrap_or_else(|| self.run.initial_generator_state(&name));
-            generator.restore(state);
-        }
+        set_rng_states(&self.run, &self.rng);
         let _scopes: Vec<_> = self.scopes.iter().map(|p| p.enter()).collect();
         let _phase = autocast::enter_phase(Phase::Recompute);
         let x = x.detach();
