@@ -280,29 +280,23 @@ fn train_one(comm: &Arc<dyn Communicator>, d: &Data, level: amp::OptLevel, a: &A
     }
 
     let mut times = Vec::with_capacity(a.steps);
+    // This rank's indices of the epoch they belong to; its position in them is derived from
+    // the global count of samples used (which is what a checkpoint keeps).
     let mut epoch_idx: Vec<usize> = Vec::new();
-    let mut pos = usize::MAX; // this rank's position in `epoch_idx`; MAX: not loaded yet
+    let mut loaded_epoch = None;
     for _ in start..a.steps {
-        if pos == usize::MAX || pos + per_rank > epoch_idx.len() {
-            // A new epoch (or the resumed one): the rest of an epoch shorter than a batch
-            // is dropped, like a DataLoader with drop_last.
-            if pos != usize::MAX {
-                progress.epoch += 1;
-                progress.consumed = 0;
-            }
+        // The rest of an epoch shorter than a batch is dropped, like a DataLoader with drop_last.
+        if progress.consumed / world + per_rank > sampler.num_samples() {
+            progress.epoch += 1;
+            progress.consumed = 0;
+        }
+        if loaded_epoch != Some(progress.epoch) {
             sampler.set_epoch(progress.epoch);
             epoch_idx = sampler.indices();
-            pos = progress.consumed / world;
-            if pos + per_rank > epoch_idx.len() {
-                progress.epoch += 1;
-                progress.consumed = 0;
-                sampler.set_epoch(progress.epoch);
-                epoch_idx = sampler.indices();
-                pos = 0;
-            }
+            loaded_epoch = Some(progress.epoch);
         }
+        let pos = progress.consumed / world;
         let (x, y) = rows(&d.train, &epoch_idx[pos..pos + per_rank])?;
-        pos += per_rank;
         progress.consumed += per_rank * world;
 
         let t0 = Instant::now();
