@@ -37,7 +37,7 @@ use candle_amp::checkpoint::CheckpointDir;
 use candle_amp::dist::{Communicator, DataParallel, DataParallelConfig, DistributedSampler, MpiComm};
 use candle_core::{DType, Device};
 
-use cli::{check_writable, half_label, rows};
+use cli::{adamw, check_writable, half_label, rows, weight_dtype};
 use data::Dataset;
 use models::Mlp;
 
@@ -204,20 +204,8 @@ fn train_one(comm: &Arc<dyn Communicator>, d: &Data, level: amp::OptLevel, a: &A
         .verbosity(if main { 1 } else { 0 });
     let amp = amp::Amp::new(config, &Device::Cpu)?;
     let model = amp.model(|vb| Mlp::new(vb, d.train.width, HIDDEN, d.classes))?;
-    let adamw = amp::optim::AdamW::new(amp::optim::AdamWConfig {
-        lr: 1e-3,
-        weight_decay: 0.01,
-        ..Default::default()
-    })?;
-    let mut opt = amp.optimizer(adamw)?;
-    let param_dtype = amp
-        .store()
-        .params()
-        .iter()
-        .find(|p| p.kind() == amp::ParamKind::Trainable && p.name().ends_with("weight"))
-        .context("the model has weights")?
-        .working()
-        .dtype();
+    let mut opt = amp.optimizer(adamw()?)?;
+    let param_dtype = weight_dtype(&amp)?;
 
     // Every rank reads the checkpoint (a shared or copied directory); DataParallel::new
     // below makes the weights rank 0's anyway.

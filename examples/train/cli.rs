@@ -1,11 +1,32 @@
-//! What the training examples (`train`, `ddp`) share beyond data and models: batches of
-//! rows, the table's half-type label, and checking output paths before training.
+//! What the training examples (`train`, `ddp`) share beyond data and models: the optimizer,
+//! batches of rows, the table's labels, and checking output paths before training.
 
 use anyhow::{Context, Result};
 use candle_amp as amp;
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use crate::data::Dataset;
+
+/// The optimizer every example run trains with: AdamW, learning rate 1e-3, weight decay 0.01.
+pub fn adamw() -> Result<amp::optim::AdamW> {
+    Ok(amp::optim::AdamW::new(amp::optim::AdamWConfig {
+        lr: 1e-3,
+        weight_decay: 0.01,
+        ..Default::default()
+    })?)
+}
+
+/// The type the run keeps its trainable weights in (the table's `params` column).
+pub fn weight_dtype(amp: &amp::Amp) -> Result<DType> {
+    Ok(amp
+        .store()
+        .params()
+        .iter()
+        .find(|p| p.kind() == amp::ParamKind::Trainable && p.name().ends_with("weight"))
+        .context("the model has weights")?
+        .working()
+        .dtype())
+}
 
 /// The rows `idx` of `d` as a feature matrix and a label vector.
 pub fn rows(d: &Dataset, idx: &[usize]) -> Result<(Tensor, Tensor)> {

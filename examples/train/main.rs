@@ -35,7 +35,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
-use cli::{check_writable, half_label, rows};
+use cli::{adamw, check_writable, half_label, rows, weight_dtype};
 use data::Dataset;
 use models::{Cnn, Mlp, Transformer, TransformerConfig};
 
@@ -250,11 +250,6 @@ fn run_dir(root: &str, kind: ModelKind, level: amp::OptLevel, half: amp::HalfTyp
 
 fn train_one(kind: ModelKind, task: &Task, level: amp::OptLevel, a: &Args) -> Result<RunResult> {
     let config = amp::AmpConfig::new(level).half(a.half).seed(a.seed);
-    let adamw = amp::optim::AdamW::new(amp::optim::AdamWConfig {
-        lr: 1e-3,
-        weight_decay: 0.01,
-        ..Default::default()
-    })?;
     let amp = amp::Amp::new(config, &Device::Cpu)?;
     let dropout = amp.generator("dropout");
     // Checkpointed segments and feed-forward slices are recorded here and recomputed by its
@@ -285,15 +280,8 @@ fn train_one(kind: ModelKind, task: &Task, level: amp::OptLevel, a: &Args) -> Re
             }
         })
     })?;
-    let mut opt = amp.optimizer(adamw)?;
-    let param_dtype = amp
-        .store()
-        .params()
-        .iter()
-        .find(|p| p.kind() == amp::ParamKind::Trainable && p.name().ends_with("weight"))
-        .context("the model has weights")?
-        .working()
-        .dtype();
+    let mut opt = amp.optimizer(adamw()?)?;
+    let param_dtype = weight_dtype(&amp)?;
 
     let mut start = 0usize;
     let mut progress = Progress::default();
