@@ -412,6 +412,14 @@ impl Amp {
         self.run.set_reducer(reducer);
     }
 
+    /// Installs the once-per-step reducer (see `dist::StepReducer`; what
+    /// `dist::DataParallel::new` installs), or removes it with `None`. The optimizers run it
+    /// once per step before anything reads the gradients, and check its output for inf/NaN
+    /// unless it says it checked them itself (`StepGrads::checked`).
+    pub fn set_step_reducer(&self, reducer: Option<Arc<dyn crate::train::reduce::StepReducer>>) {
+        self.run.set_step_reducer(reducer);
+    }
+
     /// The current scale of loss scaler `loss_id`.
     pub fn loss_scale(&self, loss_id: usize) -> Result<f32> {
         self.run.loss_scale(loss_id)

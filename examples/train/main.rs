@@ -76,6 +76,8 @@ impl ModelKind {
 
 struct Args {
     models: Vec<ModelKind>,
+    /// Whether `--model` was given (else the models that fit the data are chosen).
+    models_given: bool,
     levels: Vec<amp::OptLevel>,
     half: amp::HalfType,
     data: Option<String>,
@@ -98,6 +100,7 @@ fn usage() -> &'static str {
 fn parse_args() -> Result<Args> {
     let mut a = Args {
         models: Vec::new(),
+        models_given: false,
         levels: Vec::new(),
         half: amp::HalfType::F16,
         data: None,
@@ -136,6 +139,7 @@ fn parse_args() -> Result<Args> {
     if a.steps == 0 {
         bail!("--steps must be at least 1");
     }
+    a.models_given = !a.models.is_empty();
     if a.models.is_empty() {
         a.models = vec![ModelKind::Mlp, ModelKind::Cnn, ModelKind::Transformer];
     }
@@ -404,6 +408,35 @@ fn train_one(kind: ModelKind, task: &Task, level: amp::OptLevel, a: &Args) -> Re
     })
 }
 
+/// Whether rows of `width` features are square images the CNN takes (side divisible by 4).
+fn cnn_fits(width: usize) -> bool {
+    let side = (width as f64).sqrt() as usize;
+    side * side == width && side.is_multiple_of(4)
+}
+
+/// With `--data` and no `--model`: the models that can learn from the file (the MLP always,
+/// the CNN when rows are square images), saying on stderr which are left out and why.
+fn models_for_data(a: &mut Args) -> Result<()> {
+    let (Some(path), false) = (&a.data, a.models_given) else {
+        return Ok(());
+    };
+    let width = data::read_file(path)?.width;
+    let mut left_out = vec!["transformer (it learns a generated sequence task, not the file's rows)".to_string()];
+    if !cnn_fits(width) {
+        left_out.push(format!(
+            "cnn (it needs square images with a side divisible by 4; the file has {width} features)"
+        ));
+    }
+    a.models
+        .retain(|&k| k == ModelKind::Mlp || (k == ModelKind::Cnn && cnn_fits(width)));
+    eprintln!(
+        "--data {path}: training {}; left out: {}",
+        a.models.iter().map(|k| k.name()).collect::<Vec<_>>().join(", "),
+        left_out.join("; ")
+    );
+    Ok(())
+}
+
 fn make_task(kind: ModelKind, a: &Args) -> Result<Task> {
     if kind == ModelKind::Transformer {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(a.seed ^ 0x00de_ad00_beef);
@@ -419,14 +452,12 @@ fn make_task(kind: ModelKind, a: &Args) -> Result<Task> {
     if classes < 2 {
         bail!("the data has {classes} class(es); a classifier needs at least 2");
     }
-    if kind == ModelKind::Cnn {
-        let side = (ds.width as f64).sqrt() as usize;
-        if side * side != ds.width || !side.is_multiple_of(4) {
-            bail!(
-                "the cnn needs square images with a side divisible by 4; the data has {} features",
-                ds.width
-            );
-        }
+    if kind == ModelKind::Cnn && !cnn_fits(ds.width) {
+        bail!(
+            "the cnn needs square images with a side divisible by 4; the data has {} features (leave out \
+             --model cnn, or train --model mlp)",
+            ds.width
+        );
     }
     let (train, test) = data::split_standardise(&ds, 0.2, a.seed);
     if test.len() == 0 || train.len() == 0 {
@@ -437,7 +468,8 @@ fn make_task(kind: ModelKind, a: &Args) -> Result<Task> {
 
 fn main() -> Result<()> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
-    let a = parse_args()?;
+    let mut a = parse_args()?;
+    models_for_data(&mut a)?;
     // Output paths are checked before the first step, not after a long run.
     if let Some(dir) = &a.save {
         check_writable("--save", dir)?;

@@ -287,23 +287,30 @@ impl DataParallel {
 
 impl StepReducer for DataParallel {
     fn reduce_step(&self, step: StepGrads<'_>) -> Result<()> {
+        // One flat f32 vector: every parameter's gradient (zeros where this rank has none),
+        // then whether each had one, then the overflow flags and the parameter count (which
+        // also checks that the ranks agree on the layout).
         let StepGrads {
             params,
             grads,
             found_inf,
+            nonfinite,
+            checked,
         } = step;
-        // One flat f32 vector: every parameter's gradient (zeros where this rank has none),
-        // then whether each had one, then the overflow flags and the parameter count (which
-        // also checks that the ranks agree on the layout).
         let sizes: Vec<usize> = params.iter().map(|(_, d)| d.iter().product()).collect();
         let n: usize = sizes.iter().sum();
         let mut flat = Vec::with_capacity(n + params.len() + found_inf.len() + 1);
         let mut device = None;
+        let world = self.comm.world_size() as f32;
         for ((name, _), &len) in params.iter().zip(&sizes) {
             match grads.get(name) {
                 Some(g) => {
                     device.get_or_insert_with(|| g.device().clone());
-                    flat.extend(g.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+                    // Divided before the sum, as PyTorch's DDP does: the sum of the shares
+                    // is finite wherever the average is (2e38 on each of two ranks averages
+                    // to 2e38, where their sum would be inf).
+                    let v = g.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+                    flat.extend(v.into_iter().map(|g| g / world));
                 }
                 None => flat.resize(flat.len() + len, 0.0),
             }
@@ -314,7 +321,6 @@ impl StepReducer for DataParallel {
                 .map(|(name, _)| if grads.contains_key(name) { 1.0f32 } else { 0.0 }),
         );
         flat.extend(found_inf.iter().map(|&b| if b { 1.0f32 } else { 0.0 }));
-        let world = self.comm.world_size() as f32;
         flat.push(params.len() as f32);
         let check = params.len() as f32;
 
@@ -340,7 +346,11 @@ impl StepReducer for DataParallel {
         let mut at = 0;
         for (((name, dims), &len), &had) in params.iter().zip(&sizes).zip(present) {
             if had > 0.0 {
-                let avg: Vec<f32> = flat[at..at + len].iter().map(|g| g / world).collect();
+                // The average is what the optimizer applies: checked in this pass.
+                let avg = flat[at..at + len].to_vec();
+                if avg.iter().any(|g| !g.is_finite()) {
+                    nonfinite.push(name.clone());
+                }
                 out.insert(name.clone(), Tensor::from_vec(avg, dims.as_slice(), &device)?);
             }
             at += len;
@@ -348,6 +358,7 @@ impl StepReducer for DataParallel {
         for (f, &v) in found_inf.iter_mut().zip(flags) {
             *f = v > 0.0;
         }
+        *checked = true;
         *grads = out;
         let mut st = lock(&self.stats);
         st.reductions += 1;

@@ -79,6 +79,11 @@ impl Stack {
 /// rayon pool.
 fn products<T: GemmElem>(a: &[T], sa: &Stack, b: &[T], sb: &Stack, out: &mut [f32]) {
     let (m, k, n) = (sa.rows, sa.cols, sb.cols);
+    // Zero-sized products: nothing to compute (m or n is 0), or a sum over nothing, which is
+    // the zeros `out` already holds (k is 0).
+    if out.is_empty() || k == 0 {
+        return;
+    }
     let run = |(i, o): (usize, &mut [f32])| T::gemm(m, n, k, sa.mat(a, i), sb.mat(b, i), o, n, false);
     if sa.offsets.len() > 1 && rayon::current_num_threads() > 1 {
         out.par_chunks_mut(m * n).enumerate().for_each(run);
@@ -182,11 +187,9 @@ fn bmm(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Tensor> {
 pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let cpu = a.device().is_cpu() && b.device().is_cpu();
     if !(super::enabled() && cpu && a.dtype() == b.dtype() && supported(a.dtype()) && a.rank() >= 2 && b.rank() >= 2) {
-        return if a.rank() == b.rank() {
-            a.matmul(b)
-        } else {
-            a.broadcast_matmul(b)
-        };
+        // The same contract as the fast path: batch dims broadcast (candle's `matmul` alone
+        // wants them equal).
+        return plain_matmul(a, b);
     }
     // Equal batch dims: broadcast them (a stride-0 view, no copy).
     let (ra, rb) = (a.rank(), b.rank());
@@ -208,6 +211,17 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// candle's product with the batch dims broadcast, on every device and type: what
+/// [`matmul`] computes when its own product does not apply. `broadcast_matmul` needs rank
+/// >= 2 on both sides; below that candle's `matmul` gives its own error.
+fn plain_matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if a.rank() < 2 || b.rank() < 2 || a.dims()[..a.rank() - 2] == b.dims()[..b.rank() - 2] {
+        a.matmul(b)
+    } else {
+        a.broadcast_matmul(b)
+    }
+}
+
 /// `x w^T + b` in one op.
 struct Linear;
 
@@ -217,15 +231,21 @@ fn linear_fwd<T: GemmElem>(x: &[T], xl: &Layout, w: &[T], wl: &Layout, bias: Opt
     let (xa, xb) = xl
         .contiguous_offsets()
         .ok_or_else(|| candle_core::Error::Msg("amp-linear: x must be contiguous".into()))?;
-    let k = *xl.dims().last().unwrap_or(&0);
-    let m = (xb - xa).checked_div(k).unwrap_or(0);
+    let dims = xl.dims();
+    let k = *dims.last().unwrap_or(&0);
+    // Rows from the shape, not from the element count: with k = 0 there are no elements but
+    // still m rows of output (each the bias, or 0).
+    let m: usize = dims[..dims.len().saturating_sub(1)].iter().product();
+    debug_assert_eq!(xb - xa, m * k);
     let ws = Stack::of(wl, true)?; // w^T: k x n
     if ws.rows != k {
         candle_core::bail!("amp-linear: x {:?} and weight {:?} do not match", xl.dims(), wl.dims())
     }
     let n = ws.cols;
     let mut out = vec![0f32; m * n];
-    if let Some(b) = &bias {
+    if let Some(b) = &bias
+        && n > 0
+    {
         for row in out.chunks_mut(n) {
             row.copy_from_slice(b);
         }
@@ -236,7 +256,7 @@ fn linear_fwd<T: GemmElem>(x: &[T], xl: &Layout, w: &[T], wl: &Layout, bias: Opt
         rs: k,
         cs: 1,
     };
-    if m > 0 && n > 0 {
+    if m > 0 && n > 0 && k > 0 {
         T::gemm(m, n, k, xm, ws.mat(w, 0), &mut out, n, bias.is_some());
     }
     Ok(out)
@@ -287,6 +307,9 @@ fn linear_cpu(
 /// The column sums of `g` (rows of length n), in f32.
 fn column_sums<T: Elem + super::slices::Vx>(g: &[T], n: usize) -> Vec<f32> {
     let mut sum = vec![0f32; n];
+    if n == 0 {
+        return sum;
+    }
     let mut row = vec![0f32; n];
     for r in g.chunks(n) {
         convert(r, &mut row);
@@ -306,8 +329,10 @@ fn linear_bwd(
 ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
     let k = w.dim(1)?;
     let n = w.dim(0)?;
+    // Rows from the shape: `reshape(((), n))` cannot infer them when n or k is 0.
+    let m: usize = x.dims()[..x.rank().saturating_sub(1)].iter().product();
     let g = g.contiguous()?;
-    let g2 = g.reshape(((), n))?;
+    let g2 = g.reshape((m, n))?;
     // dx = g . w (m x n . n x k); dw = g^T . x (n x m . m x k); db = column sums of g.
     let gx = if x.track_op() {
         Some(bmm(&g2, w, false, false)?.reshape(x.shape())?)
@@ -315,7 +340,7 @@ fn linear_bwd(
         None
     };
     let gw = if w.track_op() {
-        let x2 = x.contiguous()?.reshape(((), k))?;
+        let x2 = x.contiguous()?.reshape((m, k))?;
         Some(bmm(&g2, &x2, true, false)?)
     } else {
         None
@@ -410,6 +435,10 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let same = x.dtype() == w.dtype() && b.is_none_or(|b| b.dtype() == x.dtype());
     let cpu = x.device().is_cpu() && w.device().is_cpu() && b.is_none_or(|b| b.device().is_cpu());
     if !(super::enabled() && same && cpu && supported(x.dtype()) && x.rank() >= 1 && w.rank() == 2) {
+        // A 1-d `x` is one row, as on the fast path (and PyTorch's `F.linear`).
+        if x.rank() == 1 {
+            return linear(&x.unsqueeze(0)?, w, b)?.squeeze(0);
+        }
         let y = x.broadcast_matmul(&w.t()?)?;
         return match b {
             Some(b) => y.broadcast_add(b),

@@ -146,7 +146,14 @@ impl CustomOp2 for ReluGrad {
 /// ```
 pub fn relu(x: &Tensor) -> Result<Tensor> {
     if !(super::enabled() && x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)) {
-        return x.relu();
+        // Off the fast path, the same contract: candle's own `relu` passes the gradient
+        // through at 0 (its backward tests `x >= 0`); PyTorch's, and the fused op's, is 0
+        // there. Untracked tensors need no backward: candle's forward is the same.
+        if !x.track_op() {
+            return x.relu();
+        }
+        // `x <= 0` picks 0, so NaN stays NaN, as in PyTorch.
+        return x.le(0f64)?.where_cond(&x.zeros_like()?, x);
     }
     let x = x.contiguous()?;
     if x.track_op() {

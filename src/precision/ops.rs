@@ -289,9 +289,17 @@ pub fn mean_all(x: &Tensor) -> Result<Tensor> {
     float_op("mean", x, |x| x.mean_all())
 }
 
-/// Unbiased variance over `dim`, kept; accumulated in f32.
+/// Unbiased variance over `dim`, kept; accumulated in f32. Over fewer than two elements it
+/// is NaN, as in PyTorch (candle's own `var_keepdim` panics on an empty dim).
 pub fn var_keepdim(x: &Tensor, dim: usize) -> Result<Tensor> {
-    float_op("var", x, |x| x.var_keepdim(dim))
+    float_op("var", x, |x| {
+        if x.dim(dim)? > 0 {
+            return x.var_keepdim(dim);
+        }
+        let mut dims = x.dims().to_vec();
+        dims[dim] = 1;
+        Tensor::full(f32::NAN, dims, x.device())?.to_dtype(x.dtype())
+    })
 }
 
 /// The L2 norm of all elements; accumulated in f32.
@@ -447,14 +455,25 @@ pub fn binary_cross_entropy_with_logits(logits: &Tensor, targets: &Tensor) -> Re
     l.mean_all()
 }
 
-/// Binary cross entropy on probabilities. Under autocast it is banned on half input (use
-/// [`binary_cross_entropy_with_logits`]); in f32 the logs are clamped at -100, as PyTorch does.
+/// Binary cross entropy on probabilities, PyTorch's `binary_cross_entropy`. Under autocast
+/// it is banned on half input (use [`binary_cross_entropy_with_logits`]). In f32, as PyTorch
+/// does: each log is clamped at -100 (so `p = 0` or `p = 1` gives a finite loss), and the
+/// gradient with respect to `p` is `(p - y) / max(p (1 - p), 1e-12)` (finite at `p = 0` and
+/// `p = 1`, where the chain rule through the clamp would give `0 * inf = NaN`); with respect
+/// to `y` it is `log(1 - p) - log(p)`, both clamped.
 pub fn binary_cross_entropy(probs: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let xs = loss_inputs("binary_cross_entropy", &[probs, targets])?;
     let (p, y) = (&xs[0], &xs[1]);
-    let lp = p.log()?.clamp(-100f32, f32::MAX)?;
-    let l1p = (1.0 - p)?.log()?.clamp(-100f32, f32::MAX)?;
-    ((y * lp)? + ((1.0 - y)? * l1p)?)?.neg()?.mean_all()
+    let (pd, yd) = (p.detach(), y.detach());
+    let lp = pd.log()?.clamp(-100f32, f32::MAX)?;
+    let l1p = (1.0 - &pd)?.log()?.clamp(-100f32, f32::MAX)?;
+    let value = ((&yd * &lp)? + ((1.0 - &yd)? * &l1p)?)?.neg()?;
+    // The value is computed detached; the gradients enter through `(p - p) * dp`, which is
+    // exactly 0 in value and has derivative `dp` (PyTorch's hand-written backward).
+    let dp = ((&pd - &yd)? / (&pd * (1.0 - &pd)?)?.clamp(1e-12f32, f32::MAX)?)?;
+    let dy = (&l1p - &lp)?;
+    let l = ((value + ((p - &pd)? * dp)?)? + ((y - &yd)? * dy)?)?;
+    l.mean_all()
 }
 
 // ---------------------------------------------------------------- promote list

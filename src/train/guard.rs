@@ -36,9 +36,10 @@ pub struct BackwardReport {
     /// At O1: how many ops ran in half precision in this `scale_loss` block (`None` at the
     /// other levels and on the `GradScaler` path).
     pub autocast_ops: Option<usize>,
-    /// Things the user should know, once per run: at O1, a block in which no op autocast
-    /// (the model is built from `candle_nn` layers and raw tensor maths, so it computes in
-    /// f32 as at O0). Also logged through `log`.
+    /// Things the user should know, once per run: in the run's first backward, the trained
+    /// parameters (trainable, not frozen) that received no gradient, by name; at O1, a block
+    /// in which no op autocast (the model is built from `candle_nn` layers and raw tensor
+    /// maths, so it computes in f32 as at O0). Also logged through `log`.
     pub warnings: Vec<String>,
 }
 
@@ -211,6 +212,11 @@ pub(crate) fn run_stages(
     if let Some(r) = &reducer {
         r.reduce(&mut grads, &all)?;
     }
+    let warnings = if run.first_backward() {
+        unused_warning(&grads, &all).into_iter().collect()
+    } else {
+        Vec::new()
+    };
     let mut found_inf = loss_nonfinite;
     let mut nonfinite = Vec::new();
     if loss_nonfinite {
@@ -236,8 +242,32 @@ pub(crate) fn run_stages(
         nonfinite,
         loss_scale: scale,
         autocast_ops: None,
-        warnings: Vec::new(),
+        warnings,
     })
+}
+
+/// The warning for trained parameters that got no gradient from a backward (a layer whose
+/// op has no backward, such as candle-nn's fused `layer_norm`, or a branch the loss does not
+/// reach): they would silently never change. Logged through `log` too. Frozen parameters
+/// are not trained, so not listed.
+fn unused_warning(grads: &GradStore, params: &[(String, Var)]) -> Option<String> {
+    let unused: Vec<&str> = params
+        .iter()
+        .filter(|(_, v)| grads.get(v.as_tensor()).is_none())
+        .map(|(n, _)| n.as_str())
+        .collect();
+    if unused.is_empty() {
+        return None;
+    }
+    let w = format!(
+        "{} trained parameter(s) received no gradient in the first backward and will not change: {}. \
+         Check that the loss depends on them through ops with a backward (candle_nn's fused layer_norm, \
+         rms_norm and softmax_last_dim have none: use candle_amp::nn / candle_amp::ops), or freeze them",
+        unused.len(),
+        unused.join(", ")
+    );
+    log::warn!("{w}");
+    Some(w)
 }
 
 /// Stage 1: backward on the scaled loss.

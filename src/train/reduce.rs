@@ -46,4 +46,11 @@ pub struct StepGrads<'a> {
     /// Overflow flags, one per scaling round in a fixed order (the run's losses, then the
     /// `GradScaler` round); the reducer ORs them across processes.
     pub found_inf: &'a mut [bool],
+    /// Where the reducer names the parameters whose reduced gradient is inf or NaN, when it
+    /// checks them (see `checked`); the optimizer then skips the step on every process.
+    pub nonfinite: &'a mut Vec<String>,
+    /// Set by a reducer that checked every gradient it wrote for inf/NaN in its own pass
+    /// (naming the bad ones in `nonfinite`). Left false, the optimizer reads the reduced
+    /// gradients once more to check them: what is applied is always checked.
+    pub checked: &'a mut bool,
 }

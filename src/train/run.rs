@@ -37,6 +37,8 @@ pub(crate) struct RunState {
     /// backward, waiting for the guard's stages (candle's backward returns only the
     /// segment inputs' gradients through the graph).
     recomputed: Mutex<GradStore>,
+    /// Whether the first backward's check for trained parameters without a gradient ran.
+    unused_checked: std::sync::atomic::AtomicBool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -60,7 +62,14 @@ impl RunState {
             generators: Mutex::new(BTreeMap::new()),
             casts,
             recomputed: Mutex::new(GradStore::default()),
+            unused_checked: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// True the first time it is called in this run, false after: the first backward
+    /// checks which trained parameters got no gradient (a warning, once per run).
+    pub(crate) fn first_backward(&self) -> bool {
+        !self.unused_checked.swap(true, std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Adds gradients a recomputed segment produced to the ones waiting for the stages.

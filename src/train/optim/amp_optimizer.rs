@@ -461,15 +461,28 @@ impl AmpOptimizer {
                 });
             }
         }
+        // Sum into new tensors first, so that an error leaves the accumulated gradients as
+        // they were; each sum is checked, since two finite gradients can overflow together.
+        let check = self.run.props.enabled;
+        let mut sums = Vec::with_capacity(grads.len());
+        let mut sum_overflow = Vec::new();
         for (name, g) in grads {
-            let sum = match self.grads.remove(&name) {
-                Some(prev) => (prev + g)?.detach(),
+            let sum = match self.grads.get(&name) {
+                Some(prev) => {
+                    let (sum, bad) = crate::kernels::unscale::add_check(prev, &g, check)?;
+                    if bad {
+                        sum_overflow.push(name.clone());
+                    }
+                    sum
+                }
                 None => g,
             };
-            self.grads.insert(name, sum);
+            sums.push((name, sum));
         }
-        *self.found_inf.entry(round).or_insert(false) |= found_inf;
+        self.grads.extend(sums);
+        *self.found_inf.entry(round).or_insert(false) |= found_inf || !sum_overflow.is_empty();
         self.nonfinite.extend(nonfinite);
+        self.nonfinite.extend(sum_overflow);
         self.micro_batches += 1;
         self.stage = Stage::HasGrads;
         if let Round::Loss(loss_id) = round {
@@ -534,11 +547,28 @@ impl AmpOptimizer {
             .chain([self.found_inf.get(&Round::External).copied().unwrap_or(false)])
             .collect();
         let mut grads = self.grads.clone();
+        let mut nonfinite = Vec::new();
+        let mut checked = false;
         reducer.reduce_step(crate::train::reduce::StepGrads {
             params,
             grads: &mut grads,
             found_inf: &mut flags,
+            nonfinite: &mut nonfinite,
+            checked: &mut checked,
         })?;
+        // What the optimizer applies is the reduced gradient: check it (after the reducer's
+        // sum) unless the reducer checked it in its own pass. The reduced values are the
+        // same on every process, so every process reaches the same verdict.
+        if self.run.props.enabled && !checked {
+            for (name, g) in &grads {
+                if crate::kernels::unscale::nonfinite(g)? {
+                    nonfinite.push(name.clone());
+                }
+            }
+        }
+        if !self.run.props.enabled {
+            nonfinite.clear();
+        }
         self.grads = grads;
         let any = flags.iter().any(|&b| b);
         for (i, inf) in flags.into_iter().enumerate() {
@@ -547,10 +577,12 @@ impl AmpOptimizer {
                 *f = inf;
             }
         }
-        // Another process overflowed in a round this one did not run: skip here too.
-        if any && !self.found_inf.values().any(|&b| b) {
+        // Another process overflowed in a round this one did not run, or the reduced
+        // gradients themselves are not finite: skip here too.
+        if (any && !self.found_inf.values().any(|&b| b)) || !nonfinite.is_empty() {
             self.found_inf.values_mut().for_each(|f| *f = true);
         }
+        self.nonfinite.extend(nonfinite);
         self.reduced = true;
         Ok(())
     }

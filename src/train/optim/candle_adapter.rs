@@ -19,7 +19,9 @@ use crate::error::{AmpError, Result};
 pub struct CandleOptimizer<O: candle_nn::Optimizer> {
     config: Option<O::Config>,
     inner: Option<O>,
-    vars: Vec<TensorId>,
+    /// The Vars the wrapped optimizer was built over: a set, looked up once per parameter
+    /// per step.
+    vars: std::collections::HashSet<TensorId>,
     defaults: GroupHyper,
 }
 
@@ -30,7 +32,7 @@ impl<O: candle_nn::Optimizer> CandleOptimizer<O> {
         Self {
             config: Some(config),
             inner: None,
-            vars: Vec::new(),
+            vars: Default::default(),
             defaults: GroupHyper { lr, weight_decay: 0.0 },
         }
     }
