@@ -2,6 +2,13 @@
 //!
 //! Every error says what was wrong and what to do about it. Errors from candle itself are
 //! wrapped in [`AmpError::Candle`] so that `?` works across both.
+//!
+//! Our errors also travel through candle: a custom op, a `Module`, or the parameter store
+//! behind a `VarBuilder` must return `candle_core::Error`. Such an `AmpError` is carried
+//! inside the candle error (boxed as a `std::error::Error`, which can be downcast, in
+//! candle's `WrappedContext` variant), and converting the candle error back into an
+//! `AmpError` returns the original variant, through any backtrace, context or path candle
+//! wrapped around it (their text is prefixed to the variant's detail where it has one).
 
 /// The result type of every fallible function in this crate.
 pub type Result<T> = std::result::Result<T, AmpError>;
@@ -141,9 +148,10 @@ pub enum AmpError {
         detail: String,
     },
 
-    /// An error from candle.
+    /// An error from candle. (An `AmpError` that travelled through candle comes back as
+    /// itself, never as this.)
     #[error(transparent)]
-    Candle(#[from] candle_core::Error),
+    Candle(candle_core::Error),
 }
 
 /// Kinds of [`AmpError::Distributed`].
@@ -284,11 +292,113 @@ impl AmpError {
     }
 }
 
+/// The context string that marks a candle error made from an `AmpError` by
+/// `From<AmpError> for candle_core::Error` (no other context to add on the way back).
+const CARRIED: &str = "raised by candle-amp";
+
+/// An `AmpError` inside a candle error. candle's `Wrapped` variant boxes a `dyn Display`,
+/// which cannot be downcast; `WrappedContext` boxes a `dyn Error`, which can. candle shows
+/// that box with `{:?}`, hence a `Debug` that reads like the message.
+struct Carried(AmpError);
+
+impl std::fmt::Debug for Carried {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&self.0, f)
+    }
+}
+
+impl std::fmt::Display for Carried {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&self.0, f)
+    }
+}
+
+impl std::error::Error for Carried {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
+impl AmpError {
+    /// Prefixes `context` to the free-text detail of the variants that have one; the others
+    /// are returned unchanged (their fields are all structured).
+    fn with_context(mut self, context: &str) -> Self {
+        let text = match &mut self {
+            AmpError::InvalidOverride { reason, .. }
+            | AmpError::InvalidArgument { reason, .. }
+            | AmpError::Parameter { reason, .. }
+            | AmpError::Group { reason, .. } => reason,
+            AmpError::CallOrder { detail, .. }
+            | AmpError::Ownership { detail, .. }
+            | AmpError::Checkpoint { detail, .. }
+            | AmpError::Distributed { detail, .. } => detail,
+            AmpError::OptimizerState(detail) => detail,
+            _ => return self,
+        };
+        *text = format!("{context}: {text}");
+        self
+    }
+}
+
+/// Whether a candle error carries an `AmpError`, under any of candle's wrappers.
+fn carries_ours(e: &candle_core::Error) -> bool {
+    use candle_core::Error as E;
+    match e {
+        E::WithBacktrace { inner, .. } | E::Context { inner, .. } | E::WithPath { inner, .. } => carries_ours(inner),
+        E::WrappedContext { wrapped, .. } => wrapped.is::<Carried>() || wrapped.is::<AmpError>(),
+        _ => false,
+    }
+}
+
+/// The `AmpError` a candle error carries, with the context candle added around it; the
+/// candle error itself, untouched, when it carries none.
+fn take_ours(e: candle_core::Error) -> std::result::Result<AmpError, candle_core::Error> {
+    use candle_core::Error as E;
+    if !carries_ours(&e) {
+        return Err(e);
+    }
+    match e {
+        E::WithBacktrace { inner, .. } => take_ours(*inner),
+        E::Context { inner, context } => take_ours(*inner).map(|a| a.with_context(&context.to_string())),
+        E::WithPath { inner, path } => take_ours(*inner).map(|a| a.with_context(&path.display().to_string())),
+        E::WrappedContext { wrapped, context } => {
+            let ours = match wrapped.downcast::<Carried>() {
+                Ok(c) => c.0,
+                // `carries_ours` checked: it is one or the other.
+                Err(other) => *other.downcast::<AmpError>().map_err(|w| E::WrappedContext {
+                    wrapped: w,
+                    context: context.clone(),
+                })?,
+            };
+            Ok(if context == CARRIED {
+                ours
+            } else {
+                ours.with_context(&context)
+            })
+        }
+        other => Err(other),
+    }
+}
+
+impl From<candle_core::Error> for AmpError {
+    /// An `AmpError` that travelled through candle comes back as itself (see the module
+    /// documentation); any other candle error becomes [`AmpError::Candle`].
+    fn from(e: candle_core::Error) -> Self {
+        take_ours(e).unwrap_or_else(AmpError::Candle)
+    }
+}
+
 impl From<AmpError> for candle_core::Error {
+    /// Carries the error through candle so that converting back gives the same variant; a
+    /// candle error we wrapped is handed back as it was.
     fn from(e: AmpError) -> Self {
         match e {
             AmpError::Candle(c) => c,
-            other => candle_core::Error::wrap(other),
+            other => candle_core::Error::WrappedContext {
+                wrapped: Box::new(Carried(other)),
+                context: CARRIED.into(),
+            }
+            .bt(),
         }
     }
 }

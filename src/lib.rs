@@ -70,4 +70,4 @@ pub use train::guard::{BackwardReport, ScaleLoss};
 pub use train::optim;
 pub use train::optim::{AmpOptimizer, StepOutcome};
 pub use train::reduce::GradReducer;
-pub use train::rng::Generator;
+pub use train::rng::{Generator, GeneratorGuard};

@@ -196,6 +196,8 @@ fn a_crash_while_saving_leaves_the_previous_checkpoint_loadable() {
         ck.restore(&amp, &mut [&mut opt]).unwrap();
     }
     assert!(advanced > 0, "the children must have saved something");
+    // A load (a read) leaves the last child's leftovers; a write clears them.
+    ckpts.clean_up().unwrap();
     let versions = std::fs::read_dir(&dir)
         .unwrap()
         .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with('v'))
@@ -720,5 +722,122 @@ fn optimizer_state_is_in_safetensors_and_json_holds_no_tensor() {
         json.len()
     );
     assert!(!json.contains("exp_avg_sq\":{"), "no buffer values in JSON");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Fails naming the paths that differ (not every byte) when a directory changed.
+fn assert_unchanged(before: &[(PathBuf, Vec<u8>)], after: &[(PathBuf, Vec<u8>)], what: &str) {
+    if before != after {
+        let paths = |s: &[(PathBuf, Vec<u8>)]| s.iter().map(|(p, b)| (p.clone(), b.len())).collect::<Vec<_>>();
+        panic!("{what}: before {:?}, after {:?}", paths(before), paths(after));
+    }
+}
+
+/// Flips one byte near the end of a file (inside the data: the checksum catches it).
+fn flip_byte(p: &Path) {
+    let mut b = std::fs::read(p).unwrap();
+    let i = b.len() - 5;
+    b[i] ^= 0x10;
+    std::fs::write(p, &b).unwrap();
+}
+
+#[test]
+fn a_load_never_destroys_a_damaged_version_and_no_save_reuses_its_number() {
+    let dir = tmpdir("quarantine");
+    let ckpts = CheckpointDir::new(&dir, 3);
+    let (model, mut opt, amp) = setup(OptLevel::O2);
+    train_step(&model, &mut opt, &amp);
+    let v1 = ckpts.save(&amp, &[&opt], 1, serde_json::Value::Null).unwrap();
+    train_step(&model, &mut opt, &amp);
+    let v2 = ckpts.save(&amp, &[&opt], 2, serde_json::Value::Null).unwrap();
+    // A damaged pointer, a damaged newest version, and a leftover of an interrupted save.
+    std::fs::write(dir.join("LATEST"), "garbage").unwrap();
+    flip_byte(&v2.join("weights.safetensors"));
+    std::fs::create_dir(dir.join("v00000003.tmp")).unwrap();
+    std::fs::write(dir.join("v00000003.tmp").join("weights.safetensors"), b"partial").unwrap();
+    let before = snapshot_dir(&dir);
+
+    // A load recovers v1 and moves or removes nothing: not the damaged version, not the
+    // leftover.
+    let ck = ckpts.load().unwrap();
+    assert_eq!(ck.step(), 1);
+    assert!(
+        ck.recovered_from().unwrap().contains("v00000002"),
+        "{:?}",
+        ck.recovered_from()
+    );
+    assert_unchanged(&before, &snapshot_dir(&dir), "a load changes nothing on disk");
+    let skipped = ck.skipped_versions();
+    assert_eq!(skipped.len(), 1, "{skipped:?}");
+    assert_eq!((skipped[0].version, &skipped[0].path), (2, &v2));
+    assert_eq!(skipped[0].kind, Kind::Corrupt);
+    assert!(!skipped[0].reason.is_empty());
+
+    // The next save (a write) moves the damaged version aside and takes a number above
+    // every one seen.
+    let v4 = ckpts.save(&amp, &[&opt], 3, serde_json::Value::Null).unwrap();
+    assert!(v4.ends_with("v00000004"), "{}", v4.display());
+    assert_eq!(std::fs::read_to_string(dir.join("LATEST")).unwrap().trim(), "v00000004");
+    let aside = dir.join("v00000002.damaged");
+    assert_eq!(ckpts.quarantined().unwrap(), vec![aside.clone()]);
+    for (p, bytes) in before.iter().filter(|(p, _)| p.starts_with(&v2)) {
+        let moved = aside.join(p.strip_prefix(&v2).unwrap());
+        assert_eq!(
+            &std::fs::read(moved).unwrap(),
+            bytes,
+            "the damaged version is kept as it was"
+        );
+    }
+    assert!(!dir.join("v00000003.tmp").exists(), "a save clears leftovers");
+    assert!(v1.is_dir());
+    let back = ckpts.load().unwrap();
+    assert_eq!(back.step(), 3);
+    assert!(back.recovered_from().is_none() && back.skipped_versions().is_empty());
+
+    // Pruning keeps `keep` loadable versions and never touches the quarantined one.
+    for step in 4..6 {
+        ckpts.save(&amp, &[&opt], step, serde_json::Value::Null).unwrap();
+    }
+    assert!(!v1.exists(), "v1 is beyond keep = 3");
+    assert_eq!(ckpts.quarantined().unwrap(), vec![aside]);
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    // `clean_up` quarantines too, and a quarantined number is never reused even when it is
+    // the highest.
+    let dir = tmpdir("quarantine-clean-up");
+    let ckpts = CheckpointDir::new(&dir, 3);
+    ckpts.save(&amp, &[&opt], 1, serde_json::Value::Null).unwrap();
+    let v2 = ckpts.save(&amp, &[&opt], 2, serde_json::Value::Null).unwrap();
+    std::fs::write(dir.join("LATEST"), "v00000099\n").unwrap();
+    flip_byte(&v2.join("state.json"));
+    ckpts.clean_up().unwrap();
+    assert!(!v2.exists());
+    assert_eq!(ckpts.quarantined().unwrap(), vec![dir.join("v00000002.damaged")]);
+    let v3 = ckpts.save(&amp, &[&opt], 3, serde_json::Value::Null).unwrap();
+    assert!(v3.ends_with("v00000003"), "{}", v3.display());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_load_leaves_an_uncommitted_version_for_the_next_save() {
+    let dir = tmpdir("uncommitted");
+    let ckpts = CheckpointDir::new(&dir, 2);
+    let (model, mut opt, amp) = setup(OptLevel::O2);
+    train_step(&model, &mut opt, &amp);
+    let v1 = ckpts.save(&amp, &[&opt], 1, serde_json::Value::Null).unwrap();
+    // A save killed after renaming its version into place, before replacing LATEST.
+    let v2 = dir.join("v00000002");
+    std::fs::create_dir(&v2).unwrap();
+    for e in std::fs::read_dir(&v1).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), v2.join(e.file_name())).unwrap();
+    }
+    let before = snapshot_dir(&dir);
+    assert_eq!(ckpts.load().unwrap().step(), 1);
+    assert_unchanged(&before, &snapshot_dir(&dir), "a load changes nothing on disk");
+    // The save removes the uncommitted leftover but does not reuse its number.
+    let v3 = ckpts.save(&amp, &[&opt], 2, serde_json::Value::Null).unwrap();
+    assert!(v3.ends_with("v00000003"), "{}", v3.display());
+    assert!(!v2.exists());
     std::fs::remove_dir_all(&dir).unwrap();
 }

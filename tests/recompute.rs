@@ -514,3 +514,96 @@ fn segments_on_input_data_get_their_gradients() {
     assert_close(&grads(1), &plain, 1e-6, "chunked");
     assert_eq!(grads(2), plain, "checkpointed");
 }
+
+/// A run with one checkpointed segment (a layer and dropout, drawing from "dropout") while a
+/// loader thread draws from "data": the four "data" draws (before the forward, between the
+/// forward and the backward, on the loader thread while the backward recomputes the
+/// segment, after the backward), the gradients and the dropout stream's end state. Without
+/// checkpointing nothing recomputes, and the loader draws at the same point of the stream.
+fn draws_around_a_recompute(checkpointed: bool) -> (Vec<u64>, BTreeMap<String, Vec<u32>>, ChaCha8Rng) {
+    use std::sync::Mutex;
+    use std::sync::atomic::AtomicUsize;
+    use std::sync::mpsc;
+
+    let amp = amp::Amp::new(AmpConfig::new(OptLevel::O0).seed(9).verbosity(0), &Device::Cpu).unwrap();
+    let rc = Recompute::new(&amp);
+    let model = amp.model(|vb| linear(5, 5, vb.pp("fc"))).unwrap();
+    let mut opt = amp.optimizer(Sgd::new(SgdConfig::new(0.1)).unwrap()).unwrap();
+    let drop = Dropout::new(0.5, amp.generator("dropout")).unwrap();
+    let data = amp.generator("data");
+    // The prefetching loader: one draw from "data" per request, on its own thread (it ends
+    // when the last sender is dropped).
+    let (requests, inbox) = mpsc::channel::<mpsc::Sender<u64>>();
+    {
+        let data = data.clone();
+        std::thread::spawn(move || {
+            for reply in inbox {
+                reply.send(data.lock().random::<u64>()).unwrap();
+            }
+        });
+    }
+    let draws = Arc::new(Mutex::new(vec![data.lock().random::<u64>()]));
+    let loader_draw = {
+        let (requests, draws) = (Mutex::new(requests), draws.clone());
+        Arc::new(move || {
+            let (reply, answer) = mpsc::channel();
+            requests.lock().unwrap().send(reply).unwrap();
+            draws.lock().unwrap().push(answer.recv().unwrap());
+        })
+    };
+    let calls = Arc::new(AtomicUsize::new(0));
+    let segment = {
+        let (fc, drop, calls, loader_draw) = (model.inner().clone(), drop.clone(), calls.clone(), loader_draw.clone());
+        move |x: &Tensor| {
+            // The second call is the recomputation: the loader draws while it runs.
+            if calls.fetch_add(1, Ordering::SeqCst) == 1 {
+                loader_draw();
+            }
+            drop.forward_t(&fc.forward(x)?, true)
+        }
+    };
+    let (x, _) = batch(0);
+    let x = x.reshape((BATCH * T, 5)).unwrap();
+    let y = if checkpointed {
+        rc.checkpoint_fn(segment, &x, true).unwrap()
+    } else {
+        segment(&x).unwrap()
+    };
+    draws.lock().unwrap().push(data.lock().random::<u64>());
+    let loss = y.sqr().unwrap().mean_all().unwrap();
+    amp.scale_loss(&loss, &mut opt)
+        .unwrap()
+        .backward_with(|l| rc.backward(l))
+        .unwrap();
+    assert_eq!(calls.load(Ordering::SeqCst), 1 + checkpointed as usize);
+    if !checkpointed {
+        loader_draw();
+    }
+    draws.lock().unwrap().push(data.lock().random::<u64>());
+    let grads = opt.master_grads().iter().map(|(k, v)| (k.clone(), bits(v))).collect();
+    let out = draws.lock().unwrap().clone();
+    (out, grads, amp.generator("dropout").snapshot())
+}
+
+#[test]
+fn a_recompute_replays_only_its_own_streams_and_hides_them_from_other_threads() {
+    let (plain_draws, plain_grads, plain_dropout) = draws_around_a_recompute(false);
+    let (draws, grads, dropout) = draws_around_a_recompute(true);
+    // "data", which the segment never drew from, gives the draws it gives without
+    // checkpointing: no repeat while the backward recomputes, no lag after it.
+    let mut fresh = amp::Amp::new(AmpConfig::new(OptLevel::O0).seed(9).verbosity(0), &Device::Cpu)
+        .unwrap()
+        .generator("data")
+        .snapshot();
+    let expected: Vec<u64> = (0..4).map(|_| fresh.random::<u64>()).collect();
+    assert_eq!(plain_draws, expected);
+    assert_eq!(
+        draws, expected,
+        "the loader's stream while and after a segment is recomputed"
+    );
+    // "dropout", which it did draw from, replays exactly: the same masks, the same gradients,
+    // and the stream ends where the plain run's does.
+    assert_eq!(grads.len(), 2);
+    assert_eq!(grads, plain_grads);
+    assert_eq!(dropout, plain_dropout);
+}

@@ -225,8 +225,10 @@ struct SyncNorm {
     stats: Arc<Mutex<Option<SyncStats>>>,
 }
 
+/// Keeps the communicator's typed error (a timeout stays `Distributed { kind: Timeout }`
+/// when it comes back through candle to our API), with where it happened as context.
 fn comm_err(e: crate::AmpError) -> candle_core::Error {
-    candle_core::Error::Msg(format!("synchronised batch norm: {e}"))
+    candle_core::Error::from(e).context("synchronised batch norm")
 }
 
 impl CustomOp1 for SyncNorm {

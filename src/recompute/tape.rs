@@ -1,17 +1,16 @@
 //! `Recompute`: checkpointed segments as nodes of candle's graph whose backward recomputes
 //! them.
 
-use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, Once};
 
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor, Var};
 use candle_nn::ModuleT;
-use rand_chacha::ChaCha8Rng;
 
 use crate::amp::Amp;
 use crate::error::{AmpError, Result};
 use crate::precision::autocast::{self, AutocastPolicy, Phase};
+use crate::train::rng::{DrawLog, recording_draws, replaying};
 use crate::train::run::{RunState, merge_grads};
 
 use super::chunk::{check_chunking, map_slices, map_slices_detached, pieces};
@@ -28,8 +27,9 @@ struct Recording {
     split: Option<(usize, usize)>,
     /// The autocast scopes open during the forward, oldest first.
     scopes: Vec<AutocastPolicy>,
-    /// The run's generators' states when the forward started.
-    rng: BTreeMap<String, ChaCha8Rng>,
+    /// The streams the forward drew from (on its thread), each at its state before its
+    /// first draw: only these are replayed, and privately (see `crate::train::rng`).
+    rng: DrawLog,
 }
 
 /// The graph node of a checkpointed segment: its argument is the segment's input, its value
@@ -87,45 +87,18 @@ impl CustomOp1 for Boundary {
     }
 }
 
-/// Puts the run's generators back to where they were when dropped.
-struct RestoreRng<'a> {
-    run: &'a RunState,
-    saved: BTreeMap<String, ChaCha8Rng>,
-}
-
-impl Drop for RestoreRng<'_> {
-    fn drop(&mut self) {
-        set_rng_states(self.run, &self.saved);
-    }
-}
-
-fn rng_states(run: &RunState) -> BTreeMap<String, ChaCha8Rng> {
-    run.generators().into_iter().map(|(n, g)| (n, g.snapshot())).collect()
-}
-
-/// Puts every generator of the run at its state in `states`; one created since starts
-/// from its initial state.
-fn set_rng_states(run: &RunState, states: &BTreeMap<String, ChaCha8Rng>) {
-    for (name, g) in run.generators() {
-        g.restore(
-            states
-                .get(&name)
-                .cloned()
-                .unwrap_or_else(|| run.initial_generator_state(&name)),
-        );
-    }
-}
-
 impl Recording {
     /// Runs the segment again on `x` (its input) and backpropagates `g` (the gradient at
     /// its output) through it: the input's gradient and the variables' gradients.
     fn replay(&self, x: &Tensor, g: &Tensor) -> candle_core::Result<(Option<Tensor>, GradStore)> {
-        // The forward's random draws again, then the generators as the backward found them.
-        let _restore = RestoreRng {
-            run: &self.run,
-            saved: rng_states(&self.run),
-        };
-        set_rng_states(&self.run, &self.rng);
+        // The forward's random draws again, from private copies of the streams it used: a
+        // loader drawing on another thread meanwhile never sees a rewound stream, and streams
+        // the segment did not use are not touched at all.
+        replaying(&self.rng, || self.replay_unseeded(x, g))
+    }
+
+    /// [`replay`](Self::replay) once the segment's streams are in place.
+    fn replay_unseeded(&self, x: &Tensor, g: &Tensor) -> candle_core::Result<(Option<Tensor>, GradStore)> {
         let _scopes: Vec<_> = self.scopes.iter().map(|p| p.enter()).collect();
         let _phase = autocast::enter_phase(Phase::Recompute);
         let x = x.detach();
@@ -187,8 +160,9 @@ impl Recording {
 ///   position-wise layer to slices of its input, recomputing each slice in the backward, so
 ///   only one slice's intermediates exist at a time.
 /// * Each segment becomes one node of candle's graph. Its backward recomputes the segment
-///   from its input (a fresh variable) under the autocast scopes and with the run's random
-///   generators (dropout) as they were in its first forward, backpropagates the incoming
+///   from its input (a fresh variable) under the autocast scopes and with the random
+///   streams its first forward drew from (dropout) replayed from where that forward found
+///   them, backpropagates the incoming
 ///   gradient through it, returns the input's gradient to the running backward and hands
 ///   the parameter gradients to the run, where the guard's stages (reduction, unscale and
 ///   overflow check) take them like any others: an overflow inside a segment skips the step
@@ -208,7 +182,11 @@ impl Recording {
 /// Segments are recorded only when `train` is true: in evaluation the blocks run plainly.
 /// Checkpoints inside a checkpointed segment run plainly. Randomness must come from the
 /// run's generators ([`crate::Generator`], which `nn::Dropout` uses): candle's own random
-/// ops cannot be replayed. Batch norm inside a segment updates its running statistics once,
+/// ops cannot be replayed. The replay draws from a private copy of each stream the segment
+/// drew from, seen only by the recomputing thread: the shared streams are never rewound, so
+/// a loader drawing from `amp.generator("data")` on another thread during a backward gets
+/// the draws it would get without checkpointing. Draws a segment makes on threads of its
+/// own are not replayed. Batch norm inside a segment updates its running statistics once,
 /// in the first forward. On devices other than the CPU the blocks run without
 /// checkpointing for now (logged once).
 ///
@@ -390,10 +368,9 @@ impl Recompute {
     /// as soon as it returns) and puts one node in the caller's graph in its place.
     fn record(&self, f: SegmentFn, x: &Tensor, split: Option<(usize, usize)>) -> Result<Tensor> {
         let scopes = autocast::open_scopes();
-        let rng = rng_states(&self.run);
         // Whether the segment's output depends on a variable (its parameters).
         let tracked = std::cell::Cell::new(false);
-        let out = {
+        let (out, rng) = recording_draws(|| {
             let _phase = autocast::enter_phase(Phase::SegmentForward);
             let run = |p: &Tensor| {
                 let o = f(p)?;
@@ -401,11 +378,12 @@ impl Recompute {
                 Ok(o)
             };
             match split {
-                None => run(&x.detach())?,
+                None => run(&x.detach()),
                 // Each slice's graph is dropped before the next slice runs.
-                Some((dim, size)) => map_slices_detached(x, dim, size, run)?,
+                Some((dim, size)) => map_slices_detached(x, dim, size, run),
             }
-        };
+        });
+        let out = out?;
         if !tracked.get() && !x.track_op() {
             // Nothing in the segment needs a gradient: nothing to recompute.
             return Ok(out);

@@ -128,19 +128,6 @@ impl RunState {
             .clone()
     }
 
-    /// Every generator, by name (clones share their streams).
-    pub(crate) fn generators(&self) -> Vec<(String, Generator)> {
-        lock(&self.generators)
-            .iter()
-            .map(|(k, g)| (k.clone(), g.clone()))
-            .collect()
-    }
-
-    /// The state a generator called `name` starts from in this run.
-    pub(crate) fn initial_generator_state(&self, name: &str) -> rand_chacha::ChaCha8Rng {
-        Generator::new(self.props.seed, name).snapshot()
-    }
-
     /// Every generator's state, by name.
     pub(crate) fn generator_states(&self) -> BTreeMap<String, rand_chacha::ChaCha8Rng> {
         lock(&self.generators)
