@@ -40,15 +40,18 @@ fn w_of(amp: &Amp) -> f32 {
 fn accumulated_overflow_skips_the_step_with_the_guard() {
     let (amp, w, mut opt) = one_param();
     let before = f32_bits(amp.store());
-    for _ in 0..2 {
-        // Each micro-batch's gradient, 2e38, is finite: only their sum overflows.
-        let report = amp
-            .scale_loss(&loss_with_grad(&w, 2e38), &mut opt)
+    // Each micro-batch's gradient, 2e38, is finite: only their sum overflows, and the
+    // second backward, which makes the sum, says so.
+    let mut backward = || {
+        amp.scale_loss(&loss_with_grad(&w, 2e38), &mut opt)
             .unwrap()
             .backward()
-            .unwrap();
-        assert!(!report.found_inf);
-    }
+            .unwrap()
+    };
+    assert!(!backward().found_inf);
+    let second = backward();
+    assert!(second.found_inf);
+    assert_eq!(second.nonfinite, ["w"]);
     assert!(opt.found_inf(), "the accumulated gradient is inf");
     match opt.step().unwrap() {
         StepOutcome::Skipped { nonfinite, .. } => assert_eq!(nonfinite, ["w"]),
@@ -257,4 +260,48 @@ fn parameters_without_a_gradient_are_named_once() {
     opt.zero_grad();
     let r = amp.scale_loss(&fwd(), &mut opt).unwrap().backward().unwrap();
     assert!(r.warnings.is_empty(), "once per run: {:?}", r.warnings);
+}
+
+/// The address of a CPU f32 tensor's data.
+fn data_ptr(t: &Tensor) -> usize {
+    let (s, l) = t.storage_and_layout();
+    match &*s {
+        candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) => v[l.start_offset()..].as_ptr() as usize,
+        _ => panic!("not an f32 CPU tensor"),
+    }
+}
+
+#[test]
+fn master_gradient_buffers_live_across_steps() {
+    let (amp, w, mut opt) = one_param();
+    amp.scale_loss(&loss_with_grad(&w, 3.0), &mut opt)
+        .unwrap()
+        .backward()
+        .unwrap();
+    let first = data_ptr(&opt.master_grads()["w"]);
+    opt.step().unwrap();
+    opt.zero_grad();
+    assert!(opt.master_grads().is_empty());
+    // The next backward writes into the same buffer, overwriting (not adding to) the old value.
+    amp.scale_loss(&loss_with_grad(&w, 5.0), &mut opt)
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert_eq!(data_ptr(&opt.master_grads()["w"]), first);
+    assert_eq!(flat(&opt.master_grads()["w"]), [5.0]);
+    // A second micro-batch adds in place.
+    amp.scale_loss(&loss_with_grad(&w, 2.0), &mut opt)
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert_eq!(data_ptr(&opt.master_grads()["w"]), first);
+    assert_eq!(flat(&opt.master_grads()["w"]), [7.0]);
+    opt.step().unwrap();
+    opt.zero_grad_set_to_none();
+    assert!(opt.master_grads().is_empty());
+    amp.scale_loss(&loss_with_grad(&w, 1.0), &mut opt)
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert_eq!(flat(&opt.master_grads()["w"]), [1.0]);
 }

@@ -100,7 +100,7 @@ impl InplaceOp2 for UnscaleInto {
 /// Unscales `raw` into the f32 tensor `acc` in place (or adds it to `acc`'s values with
 /// `accumulate`), in one pass, and returns whether a raw value or a value written is inf or
 /// NaN (see the module documentation for the arithmetic). `acc` must be a contiguous f32 CPU
-/// tensor of the same size that shares no storage with `raw`.
+/// tensor of the same size that shares no storage with `raw` (off the CPU, a Var).
 ///
 /// ```
 /// use candle_amp::kernels;
@@ -137,6 +137,14 @@ pub fn unscale_check_into(raw: &Tensor, scale: f32, acc: &Tensor, accumulate: bo
         };
         acc.inplace_op2(&raw, &op)?;
         return Ok(op.bad.into_inner());
+    }
+    // Off the CPU only a Var can be written in place (`Var::from_tensor` of a plain tensor
+    // would write a copy and leave `acc` as it was).
+    if !acc.is_variable() {
+        return Err(crate::AmpError::InvalidArgument {
+            argument: "acc",
+            reason: "off the CPU the destination must be a Var (a plain tensor cannot be written in place)".into(),
+        });
     }
     let (g, bad) = unscale_check(raw, scale, true)?;
     let v = if accumulate {

@@ -9,10 +9,13 @@
 //!    such as gradient checkpointing);
 //! 2. reduce: the [`GradReducer`](crate::GradReducer) hook over the raw gradients (a no-op
 //!    unless one is installed; data parallel all-reduces here);
-//! 3. unscale: check each raw gradient for inf/NaN and unscale it into f32 in one
-//!    pass (the overflow flag is then combined through the reducer);
-//! 4. accumulate: add them to each optimizer's master gradients, OR-ing the overflow flags,
-//!    so several backward passes can precede one step.
+//! 3. unscale: check each raw gradient for inf/NaN and unscale it into the optimizer's f32
+//!    master-gradient buffer in one pass, adding it to the gradient already there when
+//!    micro-batches accumulate (the sum is checked in the same pass; the overflow flag is
+//!    then combined through the reducer). The buffers live across steps: no
+//!    parameter-sized allocation per step after the first;
+//! 4. accumulate: record the new gradients and OR the overflow flags, so several backward
+//!    passes can precede one step.
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
@@ -22,7 +25,7 @@ use std::sync::Arc;
 use super::optim::{AmpOptimizer, Round};
 use super::run::{RunState, merge_grads};
 use crate::error::{AmpError, CallOrderKind, Result};
-use crate::kernels::unscale::{nonfinite, unscale_check as unscale_kernel};
+use crate::kernels::unscale::nonfinite;
 
 /// What a backward through the guard (or [`crate::GradScaler::accumulate`]) found.
 #[derive(Debug, Clone, PartialEq)]
@@ -223,8 +226,8 @@ pub(crate) fn run_stages(
         nonfinite.push("<loss>".to_string());
     }
     let mut per_opt = Vec::with_capacity(owned.len());
-    for params in &owned {
-        let u = stage_unscale(&grads, params, scale, check)?;
+    for (opt, params) in optimizers.iter_mut().zip(&owned) {
+        let u = opt.unscale_into(&grads, params, scale, check)?;
         found_inf |= u.found_inf;
         nonfinite.extend(u.nonfinite.iter().cloned());
         per_opt.push(u.grads);
@@ -278,31 +281,12 @@ pub(crate) fn stage_backward(scaled_loss: &Tensor) -> Result<GradStore> {
 /// Stage 3's output for one optimizer.
 #[derive(Debug)]
 pub(crate) struct Unscaled {
-    /// Unscaled f32 gradients by parameter name (parameters without a gradient are absent).
+    /// Unscaled f32 gradients by parameter name, for parameters that had no master gradient
+    /// yet this step (the others were accumulated in place); parameters without a gradient
+    /// are absent.
     pub grads: Vec<(String, Tensor)>,
     /// Whether any was non-finite.
     pub found_inf: bool,
     /// Which.
     pub nonfinite: Vec<String>,
-}
-
-/// Stage 3: check and unscale into f32 (no check when `check` is false, i.e. AMP disabled).
-pub(crate) fn stage_unscale(grads: &GradStore, params: &[(String, Var)], scale: f32, check: bool) -> Result<Unscaled> {
-    let mut out = Unscaled {
-        grads: Vec::new(),
-        found_inf: false,
-        nonfinite: Vec::new(),
-    };
-    for (name, var) in params {
-        let Some(raw) = grads.get(var.as_tensor()) else {
-            continue;
-        };
-        let (g, bad) = unscale_kernel(raw, scale, check)?;
-        if bad {
-            out.found_inf = true;
-            out.nonfinite.push(name.clone());
-        }
-        out.grads.push((name.clone(), g));
-    }
-    Ok(out)
 }

@@ -133,6 +133,9 @@ pub struct AmpOptimizer {
     checked: usize,
     groups: Vec<GroupSpec>,
     grads: BTreeMap<String, Tensor>,
+    /// Master-gradient buffers of earlier steps, kept by `zero_grad` for the next backward to
+    /// unscale into (PyTorch's `set_to_none=False`): no parameter-sized allocation per step.
+    spare: BTreeMap<String, Tensor>,
     stage: Stage,
     found_inf: BTreeMap<Round, bool>,
     nonfinite: BTreeSet<String>,
@@ -186,6 +189,7 @@ impl AmpOptimizer {
                 hyper,
             }],
             grads: BTreeMap::new(),
+            spare: BTreeMap::new(),
             stage: Stage::Clean,
             found_inf: BTreeMap::new(),
             nonfinite: BTreeSet::new(),
@@ -360,6 +364,8 @@ impl AmpOptimizer {
     }
 
     /// The accumulated unscaled f32 gradients, by parameter name (empty after `zero_grad`).
+    /// The tensors are the optimizer's buffers, which later backward passes write in place
+    /// (as PyTorch accumulates into `.grad`): `copy()` one to keep its values.
     pub fn master_grads(&self) -> &BTreeMap<String, Tensor> {
         &self.grads
     }
@@ -442,6 +448,69 @@ impl AmpOptimizer {
         Ok(())
     }
 
+    /// Stage 3 of the backward pipeline for this optimizer's parameters: checks each raw
+    /// gradient and unscales it into its f32 master gradient in one pass. Where the
+    /// parameter already has a master gradient this step (accumulation), the unscaled value
+    /// is added to it in place and the sum is checked in the same pass (two finite
+    /// gradients can overflow together); otherwise it is written into a buffer kept from an
+    /// earlier step, or into a new one the first time. Returns the new master gradients
+    /// for [`accumulate`](Self::accumulate), and what was non-finite.
+    pub(crate) fn unscale_into(
+        &mut self,
+        grads: &candle_core::backprop::GradStore,
+        params: &[(String, Var)],
+        scale: f32,
+        check: bool,
+    ) -> Result<crate::train::guard::Unscaled> {
+        use crate::kernels::unscale::{unscale_check, unscale_check_into};
+        let mut out = crate::train::guard::Unscaled {
+            grads: Vec::new(),
+            found_inf: false,
+            nonfinite: Vec::new(),
+        };
+        let in_place = |buf: &Tensor, raw: &Tensor| {
+            crate::kernels::enabled()
+                && buf.device().is_cpu()
+                && raw.device().is_cpu()
+                && buf.dtype() == DType::F32
+                && buf.is_contiguous()
+                && buf.shape() == raw.shape()
+        };
+        for (name, var) in params {
+            let Some(raw) = grads.get(var.as_tensor()) else {
+                continue;
+            };
+            let raw = raw.detach();
+            let bad = match self.grads.get(name) {
+                Some(live) if in_place(live, &raw) => unscale_check_into(&raw, scale, live, true)?,
+                Some(live) => {
+                    // Another device (or the kernels off): unscale, then add, checked.
+                    let (g, bad) = unscale_check(&raw, scale, check)?;
+                    let (sum, sum_bad) = crate::kernels::unscale::add_check(live, &g, check)?;
+                    out.grads.push((name.clone(), sum));
+                    bad || sum_bad
+                }
+                None => match self.spare.remove(name) {
+                    Some(buf) if in_place(&buf, &raw) => {
+                        let bad = unscale_check_into(&raw, scale, &buf, false)?;
+                        out.grads.push((name.clone(), buf));
+                        bad
+                    }
+                    _ => {
+                        let (g, bad) = unscale_check(&raw, scale, check)?;
+                        out.grads.push((name.clone(), g));
+                        bad
+                    }
+                },
+            };
+            if check && bad {
+                out.found_inf = true;
+                out.nonfinite.push(name.clone());
+            }
+        }
+        Ok(out)
+    }
+
     /// Stage 4 of the backward pipeline: adds one backward's unscaled gradients (already
     /// detached f32) and OR-s its overflow flag into the round's.
     pub(crate) fn accumulate(
@@ -461,28 +530,11 @@ impl AmpOptimizer {
                 });
             }
         }
-        // Sum into new tensors first, so that an error leaves the accumulated gradients as
-        // they were; each sum is checked, since two finite gradients can overflow together.
-        let check = self.run.props.enabled;
-        let mut sums = Vec::with_capacity(grads.len());
-        let mut sum_overflow = Vec::new();
-        for (name, g) in grads {
-            let sum = match self.grads.get(&name) {
-                Some(prev) => {
-                    let (sum, bad) = crate::kernels::unscale::add_check(prev, &g, check)?;
-                    if bad {
-                        sum_overflow.push(name.clone());
-                    }
-                    sum
-                }
-                None => g,
-            };
-            sums.push((name, sum));
-        }
-        self.grads.extend(sums);
-        *self.found_inf.entry(round).or_insert(false) |= found_inf || !sum_overflow.is_empty();
+        // Gradients accumulated in place (and their sums checked) by `unscale_into`; these
+        // are the parameters' first gradients this step, or sums made off the CPU.
+        self.grads.extend(grads);
+        *self.found_inf.entry(round).or_insert(false) |= found_inf;
         self.nonfinite.extend(nonfinite);
-        self.nonfinite.extend(sum_overflow);
         self.micro_batches += 1;
         self.stage = Stage::HasGrads;
         if let Round::Loss(loss_id) = round {
@@ -588,7 +640,9 @@ impl AmpOptimizer {
     }
 
     fn clear_grads(&mut self) {
-        self.grads.clear();
+        // The buffers stay for the next backward to unscale into.
+        let grads = std::mem::take(&mut self.grads);
+        self.spare.extend(grads);
         self.found_inf.clear();
         self.nonfinite.clear();
         self.micro_batches = 0;
@@ -779,9 +833,21 @@ impl AmpOptimizer {
     }
 
     /// Drops the accumulated gradients and overflow flags; the next backward starts afresh.
+    /// The f32 buffers that held them are kept and the next backward unscales into them
+    /// (PyTorch's `zero_grad(set_to_none=False)` without the zero fill: a first gradient
+    /// overwrites, later ones add), so a step allocates no parameter-sized memory of ours.
+    /// [`zero_grad_set_to_none`](Self::zero_grad_set_to_none) frees them instead.
     pub fn zero_grad(&mut self) {
         self.withdraw_all();
         self.clear_grads();
+    }
+
+    /// [`zero_grad`](Self::zero_grad) that also frees the master-gradient buffers
+    /// (PyTorch's `set_to_none=True`): memory between steps drops by one f32 copy of the
+    /// trained parameters, and the next backward allocates them again.
+    pub fn zero_grad_set_to_none(&mut self) {
+        self.zero_grad();
+        self.spare.clear();
     }
 
     /// The optimizer's state: algorithm state, groups' hyper-parameters, counters. A
