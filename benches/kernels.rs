@@ -82,7 +82,7 @@ fn adamw(c: &mut Criterion) {
                 weight_decay: 0.01,
                 step,
             };
-            kernels::adamw(&mut p, &gr, &mut m, &mut v, HalfOut::Bf16(&mut h), &s)
+            kernels::adamw(&mut p, &gr, &mut m, &mut v, HalfOut::Bf16(&mut h), &s).unwrap()
         })
     });
     let pv = Var::from_tensor(&data(n, DType::F32)).unwrap();

@@ -13,7 +13,7 @@
 //! group is unusable afterwards (as an MPI communicator is after an error).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
@@ -109,9 +109,9 @@ impl LocalGroup {
                 slots: (0..n).map(|_| None).collect(),
                 arrived: 0,
                 last: None,
+                timed_out: None,
             }),
             changed: Condvar::new(),
-            poisoned: AtomicBool::new(false),
         });
         (0..n)
             .map(|rank| LocalComm {
@@ -120,6 +120,7 @@ impl LocalGroup {
                 timeout,
                 shared: shared.clone(),
                 generation: AtomicU64::new(0),
+                failed: AtomicBool::new(false),
             })
             .collect()
     }
@@ -134,13 +135,14 @@ pub struct LocalComm {
     shared: Arc<Shared>,
     /// The collective this rank is at.
     generation: AtomicU64,
+    /// Whether this rank has already returned the group's failure.
+    failed: AtomicBool,
 }
 
 #[derive(Debug)]
 struct Shared {
     state: Mutex<State>,
     changed: Condvar,
-    poisoned: AtomicBool,
 }
 
 /// A collective's contributions: each rank's op name and bytes.
@@ -153,24 +155,22 @@ struct State {
     arrived: usize,
     /// The last completed collective: its generation and every rank's contribution.
     last: Option<(u64, Contributions)>,
+    /// The rank that timed out, which poisons the group. Set, checked and acted on under the
+    /// same lock as the arrivals, so a collective completes only if no rank has timed out in
+    /// it: a rank that timed out never has its contribution used.
+    timed_out: Option<usize>,
 }
 
 impl LocalComm {
     /// Every rank's `payload` for this collective (an all-gather of bytes), in rank order.
     fn exchange(&self, op: &'static str, payload: Vec<u8>) -> Result<Contributions> {
-        let fail = |kind, detail: String| AmpError::Distributed {
-            rank: self.rank,
-            kind,
-            detail,
-        };
-        if self.shared.poisoned.load(Ordering::Relaxed) {
-            return Err(fail(
-                DistErrorKind::Backend,
-                "the group failed earlier (a rank timed out); start a new group".into(),
-            ));
-        }
         let generation_now = self.generation.load(Ordering::Relaxed);
         let mut st = self.shared.state.lock().unwrap_or_else(|p| p.into_inner());
+        // Checked under the lock that completes collectives: no rank can time out between
+        // this check and this rank's arrival.
+        if let Some(r) = st.timed_out {
+            return Err(self.group_failed(op, r));
+        }
         st.slots[self.rank] = Some((op, payload));
         st.arrived += 1;
         if st.arrived == self.size {
@@ -184,41 +184,84 @@ impl LocalComm {
             st.generation += 1;
             self.shared.changed.notify_all();
         } else {
-            let deadline = Instant::now() + self.timeout;
-            while st.generation == generation_now {
-                let now = Instant::now();
-                if now >= deadline || self.shared.poisoned.load(Ordering::Relaxed) {
-                    self.shared.poisoned.store(true, Ordering::Relaxed);
-                    self.shared.changed.notify_all();
-                    let waiting = st.slots.iter().filter(|s| s.is_none()).count();
-                    return Err(fail(
-                        DistErrorKind::Timeout,
-                        format!(
-                            "`{op}` waited {:?} for {waiting} other rank(s) that never called it (a rank \
-                             failed, stopped, or called another collective)",
-                            self.timeout
-                        ),
-                    ));
-                }
-                st = self
-                    .shared
-                    .changed
-                    .wait_timeout(st, deadline - now)
-                    .unwrap_or_else(|p| p.into_inner())
-                    .0;
-            }
+            st = self.wait(st, op, generation_now)?;
         }
         let (g, all) = st.last.clone().expect("a completed collective");
         drop(st);
         debug_assert_eq!(g, generation_now);
         self.generation.store(generation_now + 1, Ordering::Relaxed);
         if let Some((r, (other, _))) = all.iter().enumerate().find(|(_, (o, _))| *o != op) {
-            return Err(fail(
+            return Err(self.fail(
                 DistErrorKind::Mismatch,
                 format!("rank {} called `{op}` while rank {r} called `{other}`", self.rank),
             ));
         }
         Ok(all)
+    }
+
+    /// Waits (holding `st` between wake-ups) until the collective at `generation_now`
+    /// completes, or fails it: on this rank's deadline, or when another rank timed out.
+    fn wait<'a>(
+        &self,
+        mut st: MutexGuard<'a, State>,
+        op: &'static str,
+        generation_now: u64,
+    ) -> Result<MutexGuard<'a, State>> {
+        let deadline = Instant::now() + self.timeout;
+        while st.generation == generation_now {
+            if let Some(r) = st.timed_out {
+                return Err(self.group_failed(op, r));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                // Under the lock: the collective has not completed (checked above) and now
+                // cannot, so no rank gets a result that includes this rank's contribution.
+                st.timed_out = Some(self.rank);
+                st.slots[self.rank] = None;
+                st.arrived -= 1;
+                self.failed.store(true, Ordering::Relaxed);
+                self.shared.changed.notify_all();
+                let waiting = st.slots.iter().filter(|s| s.is_none()).count() - 1;
+                return Err(self.fail(
+                    DistErrorKind::Timeout,
+                    format!(
+                        "`{op}` waited {:?} for {waiting} other rank(s) that never called it (a rank \
+                         failed, stopped, or called another collective)",
+                        self.timeout
+                    ),
+                ));
+            }
+            st = self
+                .shared
+                .changed
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        Ok(st)
+    }
+
+    /// The error of a group in which rank `timed_out` timed out: a timeout of this
+    /// collective the first time this rank hears of it, then a failed group.
+    fn group_failed(&self, op: &str, timed_out: usize) -> AmpError {
+        if self.failed.swap(true, Ordering::Relaxed) {
+            return self.fail(
+                DistErrorKind::Backend,
+                "the group failed earlier (a rank timed out); start a new group".into(),
+            );
+        }
+        self.fail(
+            DistErrorKind::Timeout,
+            format!("rank {timed_out} timed out waiting in `{op}`, so it cannot complete"),
+        )
+    }
+
+    fn fail(&self, kind: DistErrorKind, detail: String) -> AmpError {
+        AmpError::Distributed {
+            rank: self.rank,
+            kind,
+            detail,
+        }
     }
 }
 
@@ -301,5 +344,69 @@ impl Communicator for LocalComm {
 
     fn barrier(&self) -> Result<()> {
         self.exchange("barrier", Vec::new()).map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Spins until `at` (sleeping is too coarse for the windows this test aims at).
+    fn spin_until(at: Instant) {
+        while Instant::now() < at {
+            std::hint::spin_loop();
+        }
+    }
+
+    #[test]
+    fn a_rank_that_timed_out_is_never_part_of_a_completed_collective() {
+        // Rank 1 arrives around rank 0's deadline: rank 0 either sees it (both complete) or
+        // times out, and then rank 1 must fail too instead of completing with rank 0's
+        // contribution.
+        let timeout = Duration::from_micros(300);
+        let (mut completed, mut failed) = (0, 0);
+        for i in 0..3000u64 {
+            let comms = LocalGroup::with_timeout(2, timeout);
+            let start = Instant::now();
+            let delay = Duration::from_micros((i * 7919) % 600);
+            let results: Vec<Result<Vec<f32>>> = std::thread::scope(|s| {
+                let handles: Vec<_> = comms
+                    .iter()
+                    .map(|c| {
+                        s.spawn(move || {
+                            if c.rank() == 1 {
+                                spin_until(start + delay);
+                            }
+                            let mut v = vec![c.rank() as f32 + 1.0; 4];
+                            c.all_reduce_sum(&mut v).map(|()| v)
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            match (&results[0], &results[1]) {
+                (Ok(a), Ok(b)) => {
+                    assert_eq!((a, b), (&vec![3.0; 4], &vec![3.0; 4]), "iteration {i}");
+                    completed += 1;
+                }
+                (Err(_), Err(_)) => failed += 1,
+                (a, b) => panic!("iteration {i} (delay {delay:?}): rank 0 {a:?}, rank 1 {b:?}"),
+            }
+            for (r, res) in results.iter().enumerate() {
+                if let Err(e) = res {
+                    assert!(
+                        matches!(
+                            e,
+                            AmpError::Distributed {
+                                kind: DistErrorKind::Timeout,
+                                ..
+                            }
+                        ),
+                        "iteration {i} rank {r}: {e}"
+                    );
+                }
+            }
+        }
+        eprintln!("{completed} completed, {failed} timed out");
     }
 }

@@ -408,7 +408,7 @@ fn fused_adamw_equals_a_scalar_loop_bit_for_bit() {
             };
             let (mut p, mut m, mut v) = (p0.clone(), vec![0.01f32; n], vec![0.02f32; n]);
             let mut h = vec![bf16::ZERO; n];
-            kernels::adamw(&mut p, &g, &mut m, &mut v, kernels::HalfOut::Bf16(&mut h), &s);
+            kernels::adamw(&mut p, &g, &mut m, &mut v, kernels::HalfOut::Bf16(&mut h), &s).unwrap();
             // The scalar reference, candle-nn's order of operations.
             let t = s.step as f64;
             let (b1, b2) = (s.beta1 as f32, s.beta2 as f32);
@@ -428,6 +428,57 @@ fn fused_adamw_equals_a_scalar_loop_bit_for_bit() {
             }
         }
     });
+}
+
+#[test]
+fn fused_adamw_refuses_mismatched_lengths_and_step_zero() {
+    let s = kernels::AdamWStep {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.01,
+        step: 1,
+    };
+    let n = 40;
+    let (mut p, g, mut m, mut v) = (vec![1f32; n], vec![0.5f32; n], vec![0f32; n], vec![0f32; n]);
+    let mut h = vec![f16::ZERO; n];
+    let refused = |r: candle_amp::Result<()>, arg: &str| match r {
+        Err(candle_amp::AmpError::InvalidArgument { argument, .. }) => assert_eq!(argument, arg),
+        other => panic!("{arg}: {other:?}"),
+    };
+    refused(
+        kernels::adamw(&mut p, &g[..n - 1], &mut m, &mut v, kernels::HalfOut::None, &s),
+        "g",
+    );
+    refused(
+        kernels::adamw(&mut p, &g, &mut m[..n - 1], &mut v, kernels::HalfOut::None, &s),
+        "m",
+    );
+    refused(
+        kernels::adamw(&mut p, &g, &mut m, &mut v[..1], kernels::HalfOut::None, &s),
+        "v",
+    );
+    refused(
+        kernels::adamw(&mut p, &g, &mut m, &mut v, kernels::HalfOut::F16(&mut h[..n - 8]), &s),
+        "half",
+    );
+    let zero = kernels::AdamWStep { step: 0, ..s };
+    refused(
+        kernels::adamw(&mut p, &g, &mut m, &mut v, kernels::HalfOut::None, &zero),
+        "step",
+    );
+    let one = kernels::AdamWStep { beta1: 1.0, ..s };
+    refused(
+        kernels::adamw(&mut p, &g, &mut m, &mut v, kernels::HalfOut::None, &one),
+        "beta1",
+    );
+    assert!(
+        p.iter().chain(&m).chain(&v).all(|x| *x == 1.0 || *x == 0.0),
+        "nothing written"
+    );
+    kernels::adamw(&mut p, &g, &mut m, &mut v, kernels::HalfOut::F16(&mut h), &s).unwrap();
+    assert!(p.iter().all(|x| *x < 1.0) && h.iter().all(|x| x.to_f32() < 1.0));
 }
 
 #[test]
@@ -654,7 +705,8 @@ fn the_plain_candle_path_is_selectable_and_trains_alike() {
             bits(&z.gelu_erf().unwrap()),
             "{dt:?} gelu"
         );
-        // candle's relu passes the gradient at zero; the kernel does not.
+        // candle's relu passes the gradient at zero; the plain path keeps the kernel's (and
+        // PyTorch's) contract instead: 0 there.
         let g = kernels::relu(&z).unwrap().sum_all().unwrap().backward().unwrap();
         assert_eq!(
             g.get(&z)
@@ -663,7 +715,7 @@ fn the_plain_candle_path_is_selectable_and_trains_alike() {
                 .unwrap()
                 .to_vec1::<f32>()
                 .unwrap()[0],
-            1.0
+            0.0
         );
     }
     {

@@ -151,7 +151,7 @@ fn kernel_bandwidths(mib: usize, reps: usize) -> Result<Value> {
         step: 1,
     };
     let adamw = median_s(reps, || {
-        kernels::adamw(&mut p, &g, &mut m, &mut v, kernels::HalfOut::Bf16(&mut h), &hyper);
+        kernels::adamw(&mut p, &g, &mut m, &mut v, kernels::HalfOut::Bf16(&mut h), &hyper)?;
         Ok(())
     })?;
     Ok(json!({

@@ -177,7 +177,36 @@ fn block(
     }
 }
 
-/// `c (m x n, row stride ldc) (+)= a . b`. The caller checked that the CPU has AVX-512 BF16.
+/// Panics unless every dimension is at least 1 and the product's operands and output lie
+/// inside their slices: what the raw-pointer kernels (this one and AMX's) rely on. The
+/// arithmetic is checked, so no wrap-around can pass.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn check_product(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &Mat<'_, bf16>,
+    b: &Mat<'_, bf16>,
+    c_len: usize,
+    ldc: usize,
+    what: &str,
+) {
+    assert!(m > 0 && n > 0 && k > 0, "{what}: empty product ({m} x {k} . {k} x {n})");
+    // The offset of element (rows - 1, cols - 1) of a view.
+    let last = |off: usize, rows: usize, rs: usize, cols: usize, cs: usize| {
+        off.checked_add((rows - 1).checked_mul(rs)?)?
+            .checked_add((cols - 1).checked_mul(cs)?)
+    };
+    let c_end = (m - 1).checked_mul(ldc).and_then(|x| x.checked_add(n));
+    assert!(c_end.is_some_and(|e| e <= c_len), "{what}: output too small");
+    let a_last = last(a.off, m, a.rs, k, a.cs);
+    assert!(a_last.is_some_and(|l| l < a.data.len()), "{what}: lhs out of bounds");
+    let b_last = last(b.off, k, b.rs, n, b.cs);
+    assert!(b_last.is_some_and(|l| l < b.data.len()), "{what}: rhs out of bounds");
+}
+
+/// `c (m x n, row stride ldc) (+)= a . b`. The caller checked that the CPU has AVX-512 BF16;
+/// every dimension is at least 1 (the dispatcher sends empty products to the direct loop).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm(
     m: usize,
@@ -189,15 +218,7 @@ pub(crate) fn gemm(
     ldc: usize,
     acc: bool,
 ) {
-    assert!(c.len() >= (m - 1) * ldc + n, "bf16 gemm: output too small");
-    assert!(
-        a.off + (m - 1) * a.rs + (k - 1) * a.cs < a.data.len(),
-        "bf16 gemm: lhs out of bounds"
-    );
-    assert!(
-        b.off + (k - 1) * b.rs + (n - 1) * b.cs < b.data.len(),
-        "bf16 gemm: rhs out of bounds"
-    );
+    check_product(m, n, k, &a, &b, c.len(), ldc, "bf16 gemm");
     let pairs = k.div_ceil(2);
     let threads = rayon::current_num_threads();
     let mut bp = Vec::new();
@@ -236,5 +257,38 @@ pub(crate) fn gemm(
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(data: &[bf16], rs: usize, cs: usize) -> Mat<'_, bf16> {
+        Mat { data, off: 0, rs, cs }
+    }
+
+    #[test]
+    fn the_bounds_check_takes_exact_fits_and_refuses_the_rest() {
+        let (a, b) = (vec![bf16::ONE; 6], vec![bf16::ONE; 12]);
+        // 2 x 3 . 3 x 4 into 2 x 4: fits exactly.
+        check_product(2, 4, 3, &view(&a, 3, 1), &view(&b, 4, 1), 8, 4, "t");
+        let refused = |f: fn()| assert!(std::panic::catch_unwind(f).is_err());
+        refused(|| {
+            let (a, b) = (vec![bf16::ONE; 6], vec![bf16::ONE; 12]);
+            check_product(2, 4, 3, &view(&a, 3, 1), &view(&b, 4, 1), 7, 4, "output");
+        });
+        refused(|| {
+            let (a, b) = (vec![bf16::ONE; 5], vec![bf16::ONE; 12]);
+            check_product(2, 4, 3, &view(&a, 3, 1), &view(&b, 4, 1), 8, 4, "lhs");
+        });
+        refused(|| {
+            let (a, b) = (vec![bf16::ONE; 6], vec![bf16::ONE; 12]);
+            check_product(2, 4, 3, &view(&a, 3, 1), &view(&b, usize::MAX / 2, 1), 8, 4, "wraps");
+        });
+        refused(|| {
+            let (a, b) = (vec![bf16::ONE; 6], vec![bf16::ONE; 12]);
+            check_product(0, 4, 3, &view(&a, 3, 1), &view(&b, 4, 1), 8, 4, "empty");
+        });
     }
 }

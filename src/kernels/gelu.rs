@@ -126,7 +126,9 @@ impl CustomOp1 for Gelu {
 /// `grad * gelu'(x)`, in f32 arithmetic.
 struct GeluGrad;
 
+/// Panics if the lengths differ (checked by the op before).
 fn grad_of<T: Elem + Vx>(x: &[T], g: &[T]) -> Vec<T> {
+    assert_eq!(x.len(), g.len(), "gelu grad: lengths differ");
     let run = |x: &[T], g: &[T], d: &mut [T]| {
         let (mut bx, mut bg) = ([0f32; BLOCK], [0f32; BLOCK]);
         for ((xc, gc), dc) in x.chunks(BLOCK).zip(g.chunks(BLOCK)).zip(d.chunks_mut(BLOCK)) {
@@ -158,6 +160,11 @@ impl CustomOp2 for GeluGrad {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let ((a, b), (c, d)) = (contiguous(l1)?, contiguous(l2)?);
+        // The blocked loops pair x and the gradient chunk by chunk: equal lengths are what
+        // keeps every conversion inside its buffer.
+        if b - a != d - c {
+            candle_core::bail!("amp-gelu-grad: lengths differ ({} inputs, {} gradients)", b - a, d - c)
+        }
         let out = match (s1, s2) {
             (CpuStorage::F32(x), CpuStorage::F32(g)) => CpuStorage::F32(grad_of(&x[a..b], &g[c..d])),
             (CpuStorage::F16(x), CpuStorage::F16(g)) => CpuStorage::F16(grad_of(&x[a..b], &g[c..d])),
@@ -190,5 +197,23 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
         x.apply_op1(Gelu)
     } else {
         x.apply_op1_no_bwd(&Gelu)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn the_gradient_op_rejects_operands_of_different_lengths() {
+        let x = Tensor::ones(10, DType::F32, &Device::Cpu).unwrap();
+        let g = Tensor::ones(20, DType::F32, &Device::Cpu).unwrap();
+        for (a, b) in [(&x, &g), (&g, &x)] {
+            let e = a.apply_op2_no_bwd(b, &GeluGrad).unwrap_err();
+            assert!(e.to_string().contains("lengths"), "{e}");
+        }
+        let ok = x.apply_op2_no_bwd(&x, &GeluGrad).unwrap();
+        assert_eq!(ok.dims(), &[10]);
     }
 }

@@ -15,7 +15,8 @@ pub enum Isa {
     Avx512,
     /// AVX-512 with the BF16 dot-product instruction `vdpbf16ps` (bf16 matrix products).
     Avx512Bf16,
-    /// AMX tiles with BF16 (bf16 matrix products on 16 x 16 tiles), granted by the OS.
+    /// AMX tiles with BF16 (bf16 matrix products on 16 x 16 tiles), granted by the OS, on a
+    /// CPU that also has AVX-512 BF16 (every tier has the features of the tiers below).
     Amx,
 }
 
@@ -24,29 +25,64 @@ impl Isa {
     pub const ALL: [Isa; 5] = [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16, Isa::Amx];
 }
 
-fn detect() -> Isa {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let avx2 =
-            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
-        let avx512 = avx2
-            && is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("avx512vl");
-        if avx512 && amx_available() {
-            return Isa::Amx;
-        }
-        if avx512 && is_x86_feature_detected!("avx512bf16") {
-            return Isa::Avx512Bf16;
-        }
-        if avx512 {
-            return Isa::Avx512;
-        }
-        if avx2 {
-            return Isa::Avx2;
-        }
+/// The CPU features the tiers need, as detected (a plain struct, so the tier logic can be
+/// tested for CPUs this one is not).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Features {
+    avx2: bool,
+    fma: bool,
+    f16c: bool,
+    avx512f: bool,
+    avx512bw: bool,
+    avx512vl: bool,
+    avx512bf16: bool,
+    /// AMX-BF16 and AMX-TILE, and the OS granted the tile state.
+    amx: bool,
+}
+
+/// The highest tier `f` has every feature of. Each tier needs all the features of the
+/// tiers below it: the kernels of a tier call the lower tiers' helpers, and [`force`] caps
+/// at any lower tier, so a tier is never reported for a CPU that lacks a lower one's
+/// instructions (AMX without AVX-512 BF16 would run `vdpbf16ps` once capped at
+/// [`Isa::Avx512Bf16`]).
+fn tier(f: Features) -> Isa {
+    let avx2 = f.avx2 && f.fma && f.f16c;
+    let avx512 = avx2 && f.avx512f && f.avx512bw && f.avx512vl;
+    let avx512bf16 = avx512 && f.avx512bf16;
+    if avx512bf16 && f.amx {
+        Isa::Amx
+    } else if avx512bf16 {
+        Isa::Avx512Bf16
+    } else if avx512 {
+        Isa::Avx512
+    } else if avx2 {
+        Isa::Avx2
+    } else {
+        Isa::Portable
     }
-    Isa::Portable
+}
+
+#[cfg(target_arch = "x86_64")]
+fn features() -> Features {
+    Features {
+        avx2: is_x86_feature_detected!("avx2"),
+        fma: is_x86_feature_detected!("fma"),
+        f16c: is_x86_feature_detected!("f16c"),
+        avx512f: is_x86_feature_detected!("avx512f"),
+        avx512bw: is_x86_feature_detected!("avx512bw"),
+        avx512vl: is_x86_feature_detected!("avx512vl"),
+        avx512bf16: is_x86_feature_detected!("avx512bf16"),
+        amx: amx_available(),
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn features() -> Features {
+    Features::default()
+}
+
+fn detect() -> Isa {
+    tier(features())
 }
 
 /// What this CPU supports.
@@ -60,10 +96,19 @@ static FORCED: AtomicU8 = AtomicU8::new(0);
 
 /// The level the kernels use now: the detected one, or lower if [`force`] asked for it.
 pub fn current() -> Isa {
-    let d = detected();
-    match FORCED.load(Ordering::Relaxed) {
-        0 => d,
-        f => Isa::ALL[(f - 1) as usize].min(d),
+    capped(FORCED.load(Ordering::Relaxed), detected())
+}
+
+/// The level under the cap `forced` (0: none, else the level's index + 1) on a CPU whose
+/// highest tier is `detected`: never above `detected` (each tier implies the ones below).
+fn capped(forced: u8, detected: Isa) -> Isa {
+    match forced {
+        0 => detected,
+        f => Isa::ALL
+            .get((f - 1) as usize)
+            .copied()
+            .unwrap_or(Isa::Portable)
+            .min(detected),
     }
 }
 
@@ -114,4 +159,59 @@ fn request_tile_state() -> bool {
 #[cfg(all(target_arch = "x86_64", not(target_os = "linux")))]
 fn request_tile_state() -> bool {
     false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Everything up to AVX-512 (F, BW, VL).
+    fn avx512() -> Features {
+        Features {
+            avx2: true,
+            fma: true,
+            f16c: true,
+            avx512f: true,
+            avx512bw: true,
+            avx512vl: true,
+            ..Features::default()
+        }
+    }
+
+    #[test]
+    fn each_tier_needs_the_features_of_the_tiers_below() {
+        assert_eq!(tier(Features::default()), Isa::Portable);
+        assert_eq!(tier(avx512()), Isa::Avx512);
+        let bf16 = Features {
+            avx512bf16: true,
+            ..avx512()
+        };
+        assert_eq!(tier(bf16), Isa::Avx512Bf16);
+        assert_eq!(tier(Features { amx: true, ..bf16 }), Isa::Amx);
+        // A VM that masks AVX-512 BF16 but passes AMX through: capping at Avx512Bf16 would
+        // then run `vdpbf16ps`, so AMX is not reported.
+        assert_eq!(tier(Features { amx: true, ..avx512() }), Isa::Avx512);
+        assert_eq!(
+            tier(Features {
+                amx: true,
+                avx512bf16: true,
+                avx512f: false,
+                ..avx512()
+            }),
+            Isa::Avx2
+        );
+        assert_eq!(tier(Features { f16c: false, ..bf16 }), Isa::Portable);
+    }
+
+    #[test]
+    fn a_cap_never_raises_the_level() {
+        for (i, cap) in Isa::ALL.iter().enumerate() {
+            for d in Isa::ALL {
+                let got = capped(i as u8 + 1, d);
+                assert!(got <= d && got <= *cap, "cap {cap:?} on {d:?} gave {got:?}");
+            }
+        }
+        assert_eq!(capped(0, Isa::Avx2), Isa::Avx2);
+        assert_eq!(capped(200, Isa::Amx), Isa::Portable, "an unknown cap is the lowest");
+    }
 }

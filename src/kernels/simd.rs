@@ -67,6 +67,10 @@ pub(crate) mod x86 {
     use half::{bf16, f16};
 
     /// 16 lanes as f32.
+    ///
+    /// # Safety (both methods)
+    /// `p` is valid for 16 reads (or writes) of `Self`, unaligned allowed, and the CPU has
+    /// AVX-512 F, BW and VL with F16C. Callers check the slice lengths before taking `p`.
     pub(crate) trait V16: Copy {
         /// Loads 16 values as f32.
         unsafe fn load16(p: *const Self) -> __m512;
@@ -75,6 +79,10 @@ pub(crate) mod x86 {
     }
 
     /// 8 lanes as f32.
+    ///
+    /// # Safety (both methods)
+    /// `p` is valid for 8 reads (or writes) of `Self`, unaligned allowed, and the CPU has
+    /// AVX2, FMA and F16C. Callers check the slice lengths before taking `p`.
     pub(crate) trait V8: Copy {
         /// Loads 8 values as f32.
         unsafe fn load8(p: *const Self) -> __m256;

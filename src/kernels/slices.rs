@@ -7,6 +7,7 @@ use rayon::prelude::*;
 
 use super::isa::{Isa, current};
 use super::simd::Elem;
+use crate::error::{AmpError, Result};
 
 /// Slices longer than this are split over the rayon pool (when it has more than one thread).
 const PAR_CHUNK: usize = 1 << 16;
@@ -34,8 +35,10 @@ fn is_f16<T: 'static>() -> bool {
     std::any::TypeId::of::<T>() == std::any::TypeId::of::<f16>()
 }
 
-/// [`convert`] on the calling thread.
+/// [`convert`] on the calling thread. Panics if the lengths differ (the vector paths write
+/// `src.len()` values through `dst`'s pointer).
 pub(crate) fn convert_serial<S: Elem + Vx, D: Elem + Vx>(src: &[S], dst: &mut [D]) {
+    assert_eq!(src.len(), dst.len(), "convert: lengths differ");
     #[cfg(target_arch = "x86_64")]
     match current() {
         // SAFETY: the level is only reported when the CPU has its features.
@@ -104,6 +107,8 @@ pub(crate) fn unscale<S: Elem + Vx>(raw: &[S], out: &mut [f32], u: Unscale, accu
 }
 
 fn unscale_serial<S: Elem + Vx>(raw: &[S], out: &mut [f32], u: Unscale, acc: bool) -> bool {
+    // The vector paths write `raw.len()` values through `out`'s pointer.
+    assert_eq!(raw.len(), out.len(), "unscale: lengths differ");
     #[cfg(target_arch = "x86_64")]
     if !matches!(u, Unscale::Div(_)) {
         let inv = match u {
@@ -200,6 +205,17 @@ pub enum HalfOut<'a> {
     Bf16(&'a mut [bf16]),
 }
 
+impl HalfOut<'_> {
+    /// The half copy's length, if there is one.
+    fn len(&self) -> Option<usize> {
+        match self {
+            HalfOut::None => None,
+            HalfOut::F16(h) => Some(h.len()),
+            HalfOut::Bf16(h) => Some(h.len()),
+        }
+    }
+}
+
 impl std::fmt::Debug for HalfOut<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
@@ -219,13 +235,50 @@ pub(crate) enum ParamSlice<'a, H> {
 
 /// One fused AdamW pass: updates `p`, `m`, `v` in place from `g` and writes the rounded new
 /// values into `half`, split over the rayon pool for large parameters.
-pub fn adamw(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], half: HalfOut<'_>, s: &AdamWStep) {
+///
+/// Returns [`AmpError::InvalidArgument`] (and writes nothing) when the slices (and the half
+/// copy) differ in length, when `s.step` is 0 (steps count from 1: step 0's bias
+/// correction divides by zero) or when a beta is outside `[0, 1)`.
+///
+/// ```
+/// use candle_amp::kernels::{self, AdamWStep, HalfOut};
+/// let (mut p, g, mut m, mut v) = (vec![1f32; 4], vec![0.5f32; 4], vec![0f32; 4], vec![0f32; 4]);
+/// let mut s = AdamWStep { lr: 0.1, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, step: 1 };
+/// kernels::adamw(&mut p, &g, &mut m, &mut v, HalfOut::None, &s)?;
+/// assert!((p[0] - 0.9).abs() < 1e-6, "the first step moves by lr");
+/// s.step = 0;
+/// assert!(kernels::adamw(&mut p, &g, &mut m, &mut v, HalfOut::None, &s).is_err());
+/// # Ok::<(), candle_amp::AmpError>(())
+/// ```
+pub fn adamw(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], half: HalfOut<'_>, s: &AdamWStep) -> Result<()> {
+    check_adamw(p.len(), g.len(), m.len(), v.len(), half.len(), s)?;
     let c = AdamWConsts::new(s);
     match half {
         HalfOut::None => adamw_param::<f16>(ParamSlice::F32(p, None), g, m, v, &c),
         HalfOut::F16(h) => adamw_param(ParamSlice::F32(p, Some(h)), g, m, v, &c),
         HalfOut::Bf16(h) => adamw_param(ParamSlice::F32(p, Some(h)), g, m, v, &c),
     }
+    Ok(())
+}
+
+/// The checks of [`adamw`]: equal lengths (`half` `None` when there is no half copy), a
+/// step from 1 and betas in `[0, 1)`.
+fn check_adamw(p: usize, g: usize, m: usize, v: usize, half: Option<usize>, s: &AdamWStep) -> Result<()> {
+    let invalid = |argument: &'static str, reason: String| Err(AmpError::InvalidArgument { argument, reason });
+    for (argument, n) in [("g", g), ("m", m), ("v", v), ("half", half.unwrap_or(p))] {
+        if n != p {
+            return invalid(argument, format!("{n} values for a parameter of {p}"));
+        }
+    }
+    if s.step == 0 {
+        return invalid("step", "steps count from 1 (step 0 has no bias correction)".into());
+    }
+    for (argument, b) in [("beta1", s.beta1), ("beta2", s.beta2)] {
+        if !(0.0..1.0).contains(&b) {
+            return invalid(argument, format!("{b} is outside [0, 1)"));
+        }
+    }
+    Ok(())
 }
 
 pub(crate) fn adamw_param<H: Elem + Vx>(
@@ -283,6 +336,8 @@ pub(crate) fn adamw_param<H: Elem + Vx>(
 }
 
 /// `p` is updated in place (f32, or half at O3); `h` gets the rounded copy when given.
+/// Panics if the lengths differ (the vector paths write `p.len()` values through every
+/// pointer).
 fn adamw_serial<P: Elem + Vx, H: Elem + Vx>(
     p: &mut [P],
     g: &[f32],
@@ -291,6 +346,9 @@ fn adamw_serial<P: Elem + Vx, H: Elem + Vx>(
     h: Option<&mut [H]>,
     c: &AdamWConsts,
 ) {
+    let n = p.len();
+    let same = g.len() == n && m.len() == n && v.len() == n && h.as_ref().is_none_or(|h| h.len() == n);
+    assert!(same, "adamw: lengths differ");
     #[cfg(target_arch = "x86_64")]
     match current() {
         // SAFETY: the level is only reported when the CPU has its features.
@@ -393,6 +451,13 @@ pub(crate) trait Vx {}
 #[cfg(not(target_arch = "x86_64"))]
 impl<T> Vx for T {}
 
+/// The vector paths.
+///
+/// # Safety
+/// Every function needs the target features it enables, and each slice it is given at least
+/// as long as its first slice argument (it writes that many values through raw pointers):
+/// the safe wrappers above check both (the level comes from `isa::current`, lengths are
+/// asserted equal).
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
@@ -595,5 +660,45 @@ mod x86 {
                 h[k] = H::from_f32(np);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[should_panic(expected = "lengths differ")]
+    fn convert_serial_checks_lengths_before_writing() {
+        // The destination is a prefix of a larger buffer, so an unchecked write past it would
+        // go unnoticed (no crash) instead of panicking.
+        let src = vec![1f32; 64];
+        let mut big = vec![bf16::ZERO; 128];
+        convert_serial(&src, &mut big[..32]);
+    }
+
+    #[test]
+    #[should_panic(expected = "lengths differ")]
+    fn the_serial_adamw_checks_lengths_before_writing() {
+        let s = AdamWStep {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            step: 1,
+        };
+        let c = AdamWConsts::new(&s);
+        let (mut p, g) = (vec![0f32; 64], vec![0f32; 64]);
+        let (mut m, mut v) = (vec![0f32; 128], vec![0f32; 128]);
+        adamw_serial::<f32, f16>(&mut p, &g, &mut m[..32], &mut v, None, &c);
+    }
+
+    #[test]
+    #[should_panic(expected = "lengths differ")]
+    fn the_serial_unscale_checks_lengths_before_writing() {
+        let raw = vec![1f32; 64];
+        let mut out = vec![0f32; 128];
+        unscale_serial(&raw, &mut out[..32], Unscale::Identity, false);
     }
 }

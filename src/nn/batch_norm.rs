@@ -137,6 +137,7 @@ impl BatchNorm {
                 + (mean.flatten_all()?.detach().to_dtype(rm.dtype())? * self.momentum)?)?;
             if update_running {
                 self.running_mean.set(&new_mean)?;
+                crate::precision::autocast::invalidate(self.running_mean.as_tensor());
             }
             (xt.broadcast_sub(&mean)?, Some(mean.reshape(shape.as_slice())?))
         } else {
@@ -149,6 +150,7 @@ impl BatchNorm {
             + (var.flatten_all()?.detach().to_dtype(rv.dtype())? * (self.momentum * unbiased))?)?;
         if update_running {
             self.running_var.set(&new_var)?;
+            crate::precision::autocast::invalidate(self.running_var.as_tensor());
         }
         let x = match mean_b {
             Some(m) => x.broadcast_sub(&m)?,
@@ -195,10 +197,12 @@ impl BatchNorm {
             let rm = self.running_mean.as_tensor();
             let mean = Tensor::from_vec(st.mean, rm.dims(), dev)?.to_dtype(rm.dtype())?;
             self.running_mean.set(&((rm * (1.0 - m))? + (mean * m)?)?)?;
+            crate::precision::autocast::invalidate(self.running_mean.as_tensor());
         }
         let rv = self.running_var.as_tensor();
         let var = Tensor::from_vec(st.var, rv.dims(), dev)?.to_dtype(rv.dtype())?;
         self.running_var.set(&((rv * (1.0 - m))? + (var * (m * unbiased))?)?)?;
+        crate::precision::autocast::invalidate(self.running_var.as_tensor());
         let mut dims = x.dims().to_vec();
         dims.swap(0, 1);
         yt.reshape(dims)?.transpose(0, 1)

@@ -12,11 +12,20 @@
 //!   the closure form. Each thread keeps a stack of open scopes and the
 //!   policy in effect is the most recently opened one still open, so guards dropped out of
 //!   order still leave exactly the scopes that are open in effect.
-//! * The cast cache holds half casts of f32 parameters (Vars). Each entry carries a
-//!   fingerprint of the f32 data it was cast from and is used only while the data still has
-//!   that fingerprint, so a weight changed in place (an optimizer step, `Var::set`) is never
-//!   served stale. A run's cache is dropped when a `scale_loss` block ends (Apex); a
-//!   standalone [`scope`]'s when the scope closes (PyTorch). Only CPU tensors are cached.
+//! * The cast cache holds half casts of f32 parameters (Vars), keyed by tensor id. Each entry
+//!   records the parameter's write generation and a sampled fingerprint of its data when it
+//!   was cast, and is served only while both are unchanged. Every write this crate makes to a
+//!   parameter (our optimizers' steps, [`crate::ParamStore::write_f32`] and the load paths
+//!   through it) bumps the generation ([`invalidate`]); the fingerprint (a few sampled values,
+//!   see `kernels::fingerprint`) catches writers we do not see that rewrite the data (a
+//!   candle optimizer, loading values with `Var::set`). A writer of our parameters that may
+//!   change only a few values must call [`invalidate`] (or [`invalidate_all`]). A lookup
+//!   costs a hash-map probe and the sampled fingerprint, whatever the size; the cast itself
+//!   runs with no lock held (two threads may both cast on a miss; one result is kept).
+//!   Entries live across steps while their weight is unchanged (a frozen weight is cast
+//!   once); a run's entries not used during a `scale_loss` block are dropped when it ends,
+//!   and any cache is swept when it grows, so casts of dropped tensors do not accumulate. A
+//!   standalone [`scope`]'s cache goes when the scope closes. Only CPU tensors are cached.
 //! * The policy is per thread: a worker thread starts with no policy. To autocast on a
 //!   worker, take [`current`] on the spawning thread and [`enter`](AutocastPolicy::enter) it
 //!   on the worker (the cast cache is shared and thread-safe).
@@ -26,22 +35,168 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard, RwLock};
 
 use candle_core::{DType, Tensor, TensorId};
 
 use super::cast_lists::builtin_policy;
 pub use super::cast_lists::{CAST_LISTS, CastPolicy};
 use crate::comm::Communicator;
-use crate::kernels::{self, fingerprint::fingerprint};
+use crate::kernels::{self, fingerprint::sampled_fingerprint};
+
+// ------------------------------------------------------------------------ write generations
+
+/// The write generations of the tensors written in place since the table was last reset:
+/// what the cast caches check before serving a cast.
+struct Writes {
+    /// The generation of every tensor not in `written`.
+    floor: u64,
+    written: HashMap<TensorId, u64>,
+}
+
+/// Where the table is reset (every cached cast is then re-made once), so that the ids of
+/// dropped tensors do not accumulate in it.
+const MAX_WRITTEN: usize = 1 << 16;
+
+/// The next generation: unique and increasing, so a bumped tensor never matches an entry
+/// cast before the bump.
+static NEXT_GENERATION: AtomicU64 = AtomicU64::new(1);
+
+static WRITES: LazyLock<RwLock<Writes>> = LazyLock::new(|| {
+    RwLock::new(Writes {
+        floor: 0,
+        written: HashMap::new(),
+    })
+});
+
+fn fresh_generation() -> u64 {
+    NEXT_GENERATION.fetch_add(1, Ordering::Relaxed)
+}
+
+/// The write generation of the tensor `id` now.
+fn write_generation(id: TensorId) -> u64 {
+    // A poisoned lock means a panic while inserting; the table is still a valid map.
+    let w = WRITES.read().unwrap_or_else(|p| p.into_inner());
+    w.written.get(&id).copied().unwrap_or(w.floor)
+}
+
+/// Records that `t`'s values were written in place, so no cast cache serves a cast of its
+/// old values again. Process-wide, cheap (a hash-map insert), and safe to call for any
+/// tensor.
+///
+/// The crate calls it after each write it makes to a parameter: its optimizers' steps
+/// ([`crate::optim::Sgd`], [`crate::optim::AdamW`]), [`crate::ParamStore::write_f32`] and the
+/// loads and broadcasts that go through it. Call it yourself after writing a parameter in
+/// place (`Var::set`, an in-place op) while autocast may hold a cast of it: the cache's own
+/// check samples a few values only, so it sees a rewrite of the whole tensor but can miss a
+/// change to a few elements.
+///
+/// ```
+/// use candle_amp::{autocast, ops};
+/// use candle_core::{DType, Device, Tensor, Var};
+/// # fn main() -> candle_core::Result<()> {
+/// let _scope = autocast::scope(DType::BF16);
+/// let w = Var::ones((64, 64), DType::F32, &Device::Cpu)?;
+/// let x = Tensor::ones((1, 64), DType::F32, &Device::Cpu)?;
+/// let before = ops::matmul(&x, &w)?; // casts w (cached)
+/// let mut v = vec![1f32; 64 * 64];
+/// v[65] = 3.0;
+/// w.set(&Tensor::from_vec(v, (64, 64), &Device::Cpu)?)?;
+/// autocast::invalidate(&w);
+/// let after = ops::matmul(&x, &w)?; // casts the new values
+/// assert_eq!(after.to_dtype(DType::F32)?.to_vec2::<f32>()?[0][1], 66.0);
+/// # let _ = before; Ok(()) }
+/// ```
+pub fn invalidate(t: &Tensor) {
+    let mut w = WRITES.write().unwrap_or_else(|p| p.into_inner());
+    let g = fresh_generation();
+    w.written.insert(t.id(), g);
+    if w.written.len() > MAX_WRITTEN {
+        w.written.clear();
+        w.floor = g;
+    }
+}
+
+/// Like [`invalidate`] for every tensor: no cast cached before this call is served again.
+pub fn invalidate_all() {
+    let mut w = WRITES.write().unwrap_or_else(|p| p.into_inner());
+    w.written.clear();
+    w.floor = fresh_generation();
+}
+
+// ------------------------------------------------------------------------ the cast cache
+
+/// A cached cast, with what it was cast from (the source's write generation and sampled
+/// fingerprint) and whether it was used since the last sweep.
+struct Cached {
+    generation: u64,
+    print: u64,
+    cast: Tensor,
+    used: bool,
+}
+
+/// The smallest size at which a cache is swept when an entry is inserted.
+const MIN_SWEEP: usize = 256;
+
+/// Casts by (source tensor, target type). Entries go when a sweep finds them unused since
+/// the previous one: at the end of each step (a run's cache) and whenever the cache has
+/// doubled since the last sweep, so casts of dropped tensors (which keep the f32 source
+/// alive through their graph) cannot accumulate.
+struct CastCache {
+    entries: HashMap<(TensorId, DType), Cached>,
+    sweep_at: usize,
+}
+
+impl CastCache {
+    fn new() -> Self {
+        Self {
+            entries: HashMap::new(),
+            sweep_at: MIN_SWEEP,
+        }
+    }
+
+    /// The cast of `key` if it was made from data of this generation and fingerprint.
+    fn get(&mut self, key: (TensorId, DType), generation: u64, print: u64) -> Option<Tensor> {
+        let e = self.entries.get_mut(&key)?;
+        if e.generation != generation || e.print != print {
+            return None;
+        }
+        e.used = true;
+        Some(e.cast.clone())
+    }
+
+    /// Inserts a cast unless a racing thread already inserted one of a later generation;
+    /// returns what it displaced, for the caller to drop outside the lock.
+    fn insert(&mut self, key: (TensorId, DType), entry: Cached) -> Vec<Cached> {
+        let mut gone = if self.entries.len() >= self.sweep_at {
+            self.sweep()
+        } else {
+            Vec::new()
+        };
+        match self.entries.get(&key) {
+            Some(e) if e.generation > entry.generation => gone.push(entry),
+            _ => gone.extend(self.entries.insert(key, entry)),
+        }
+        gone
+    }
+
+    /// Removes (and returns) the entries not used since the last sweep, and clears the marks.
+    fn sweep(&mut self) -> Vec<Cached> {
+        let keys: Vec<_> = self.entries.iter().filter(|(_, e)| !e.used).map(|(k, _)| *k).collect();
+        let gone = keys.iter().filter_map(|k| self.entries.remove(k)).collect();
+        self.entries.values_mut().for_each(|e| e.used = false);
+        self.sweep_at = (2 * self.entries.len()).max(MIN_SWEEP);
+        gone
+    }
+}
 
 /// Per-run autocast state: the cast cache, registrations and counters. Owned by an
 /// [`crate::Amp`] handle (or a standalone [`scope`]) and shared with the thread-local policy.
 pub(crate) struct CastContext {
     half: DType,
     verbosity: u8,
-    cache: Mutex<HashMap<(TensorId, DType), (u64, Tensor)>>,
+    cache: Mutex<CastCache>,
     registry: RwLock<HashMap<String, CastPolicy>>,
     half_ops: AtomicUsize,
     cache_hits: AtomicUsize,
@@ -55,7 +210,7 @@ impl std::fmt::Debug for CastContext {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CastContext")
             .field("half", &self.half)
-            .field("cached", &self.cache.lock().map(|c| c.len()).unwrap_or(0))
+            .field("cached", &self.cached())
             .finish()
     }
 }
@@ -66,7 +221,7 @@ impl CastContext {
         Self {
             half,
             verbosity,
-            cache: Mutex::new(HashMap::new()),
+            cache: Mutex::new(CastCache::new()),
             registry: RwLock::new(HashMap::new()),
             half_ops: AtomicUsize::new(0),
             cache_hits: AtomicUsize::new(0),
@@ -107,30 +262,18 @@ impl CastContext {
 
     /// Casts `t` to `to` if it is a floating tensor other than f64 (integer and f64 tensors
     /// are never cast). Casts of f32 parameters (Vars) on the CPU to half are cached, and a
-    /// cached cast is used only while the parameter's data is unchanged (its fingerprint).
+    /// cached cast is used only while the parameter is unchanged (its write generation and
+    /// sampled fingerprint).
     pub(crate) fn cast(&self, t: &Tensor, to: DType) -> candle_core::Result<Tensor> {
         let from = t.dtype();
         if from == to || !eligible(from) {
             return Ok(t.clone());
         }
-        let print = if t.is_variable() && from == DType::F32 && to != DType::F32 {
-            fingerprint(t)
-        } else {
-            None
-        };
-        if let Some(print) = print {
-            let mut c = self.cache.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some((p, cached)) = c.get(&(t.id(), to))
-                && *p == print
-            {
-                self.cache_hits.fetch_add(1, Ordering::Relaxed);
-                return Ok(cached.clone());
-            }
-            let out = kernels::cast(t, to)?;
-            c.insert((t.id(), to), (print, out.clone()));
-            if self.verbosity >= 2 {
-                log::debug!("autocast: cast parameter {:?} {from:?} -> {to:?} (cached)", t.shape());
-            }
+        if t.is_variable()
+            && from == DType::F32
+            && to != DType::F32
+            && let Some(out) = self.cast_param(t, to)?
+        {
             return Ok(out);
         }
         if self.verbosity >= 2 {
@@ -139,14 +282,54 @@ impl CastContext {
         kernels::cast(t, to)
     }
 
-    /// Drops every cached cast (done when a step's `scale_loss` ends).
-    pub(crate) fn clear_cache(&self) {
-        self.cache.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    /// The cached cast of an f32 parameter, made and cached on a miss; `None` where the
+    /// tensor cannot be cached (not a contiguous CPU tensor).
+    fn cast_param(&self, t: &Tensor, to: DType) -> candle_core::Result<Option<Tensor>> {
+        // The generation is read before the data: a write that completes after this read
+        // bumps it, so a cast of data that was being written is never served.
+        let generation = write_generation(t.id());
+        let Some(print) = sampled_fingerprint(t) else {
+            return Ok(None);
+        };
+        let key = (t.id(), to);
+        let hit = self.lock_cache().get(key, generation, print);
+        if let Some(hit) = hit {
+            self.cache_hits.fetch_add(1, Ordering::Relaxed);
+            return Ok(Some(hit));
+        }
+        // No lock is held across the cast: it goes parallel on rayon for large tensors, and a
+        // worker waiting in it may run another task that casts through this context.
+        let out = kernels::cast(t, to)?;
+        let entry = Cached {
+            generation,
+            print,
+            cast: out.clone(),
+            used: true,
+        };
+        let displaced = self.lock_cache().insert(key, entry);
+        // Dropped outside the lock (a displaced cast may free a whole graph).
+        drop(displaced);
+        if self.verbosity >= 2 {
+            log::debug!("autocast: cast parameter {:?} F32 -> {to:?} (cached)", t.shape());
+        }
+        Ok(Some(out))
+    }
+
+    fn lock_cache(&self) -> MutexGuard<'_, CastCache> {
+        // A poisoned lock means a panic elsewhere; the map is still consistent.
+        self.cache.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Drops the cached casts not used since the last sweep (done when a step's
+    /// `scale_loss` ends: a weight the step did not use, or that was dropped, goes).
+    fn sweep_cache(&self) {
+        let gone = self.lock_cache().sweep();
+        drop(gone);
     }
 
     /// Number of cached casts.
     pub(crate) fn cached(&self) -> usize {
-        self.cache.lock().unwrap_or_else(|p| p.into_inner()).len()
+        self.lock_cache().entries.len()
     }
 
     /// Casts served from the cache so far.
@@ -167,7 +350,7 @@ impl CastContext {
         self.last_half_ops.load(Ordering::Relaxed)
     }
 
-    /// Ends a step: records its half-op count, clears the cache, and returns the count and,
+    /// Ends a step: records its half-op count, sweeps the cache, and returns the count and,
     /// once per context, a warning if an autocasting run ran no autocast op at all (also
     /// logged).
     pub(crate) fn end_step(&self, expect_ops: bool) -> (usize, Option<String>) {
@@ -181,7 +364,7 @@ impl CastContext {
             log::warn!("{w}");
             warning = Some(w);
         }
-        self.clear_cache();
+        self.sweep_cache();
         (n, warning)
     }
 }

@@ -290,6 +290,8 @@ impl ParamStore {
     }
 
     /// Writes an f32 value into a parameter: into its master, and cast into its working Var.
+    /// Autocast's cached casts of the parameter are invalidated
+    /// ([`crate::autocast::invalidate`]).
     pub fn write_f32(&self, name: &str, value: &Tensor) -> Result<()> {
         let p = self.param(name).ok_or_else(|| AmpError::Parameter {
             name: name.to_string(),
@@ -306,10 +308,15 @@ impl ParamStore {
             });
         }
         let v32 = value.to_dtype(DType::F32)?;
+        // Each write is invalidated even when it fails: it may have written part of the values.
         if let Some(m) = &p.master {
-            m.set(&v32)?;
+            let written = m.set(&v32);
+            super::autocast::invalidate(m);
+            written?;
         }
-        p.working.set(&v32.to_dtype(p.working.dtype())?)?;
+        let written = p.working.set(&v32.to_dtype(p.working.dtype())?);
+        super::autocast::invalidate(&p.working);
+        written?;
         Ok(())
     }
 

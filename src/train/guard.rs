@@ -179,7 +179,8 @@ impl<'a> ScaleLoss<'a> {
             loss_nonfinite,
             check,
         );
-        // The block is over: its casts are dropped (weights change at the step).
+        // The block is over: casts not used in it are swept (those used stay cached until their
+        // weight's write generation changes at the step).
         let o1 = run.props.patch_functions;
         let (ops, warning) = run.casts.end_step(o1);
         let mut report = report?;

@@ -819,7 +819,16 @@ impl AmpOptimizer {
         // An algorithm that cannot report its state (candle's, through the adapter) cannot be
         // rolled back; its own step says how far it is atomic.
         let snapshot = self.algo.state_dict().ok();
-        match self.algo.step(&updates) {
+        let stepped = self.algo.step(&updates);
+        // Whatever the algorithm (ours bump their own writes; a user's or candle's does not
+        // know of the cast cache), no cast of a value from before this step is served again.
+        for u in &updates {
+            crate::precision::autocast::invalidate(u.var.as_tensor());
+            if let Some(w) = u.working {
+                crate::precision::autocast::invalidate(w.as_tensor());
+            }
+        }
+        match stepped {
             Ok(()) => Ok(()),
             Err(e) => {
                 if let Some(snapshot) = snapshot

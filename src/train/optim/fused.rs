@@ -15,6 +15,7 @@ use half::{bf16, f16};
 
 use super::ParamUpdate;
 use crate::error::Result;
+use crate::precision::autocast::invalidate;
 
 /// The parameter values a fused kernel updates.
 pub(crate) enum Target<'s> {
@@ -87,7 +88,8 @@ pub(crate) fn fusable(params: &[ParamUpdate<'_>]) -> bool {
 }
 
 /// Runs `kernel` over one parameter in place (checked by [`fusable`]), then writes the half
-/// working copy from the updated f32 values where there is one.
+/// working copy from the updated f32 values where there is one. Both are invalidated in
+/// autocast's cast caches.
 pub(crate) fn apply<'a>(p: &ParamUpdate<'_>, kernel: impl FnOnce(Target<'_>, &[f32]) + Send + 'a) -> Result<()> {
     let op = InPlace {
         kernel: Mutex::new(Some(Box::new(kernel))),
@@ -97,13 +99,30 @@ pub(crate) fn apply<'a>(p: &ParamUpdate<'_>, kernel: impl FnOnce(Target<'_>, &[f
     } else {
         p.working.expect("checked by fusable").as_tensor()
     };
-    target.inplace_op2(p.grad, &op)?;
+    let updated = target.inplace_op2(p.grad, &op);
+    // The values changed in place under the same tensor ids: autocast's cached casts of
+    // them must not be served again (bumped even on an error, which may follow a write).
+    invalidate(target);
+    updated?;
     if p.persistent
         && let Some(w) = p.working
     {
-        crate::kernels::cast_into(p.var.as_tensor(), w.as_tensor())?;
+        let copied = crate::kernels::cast_into(p.var.as_tensor(), w.as_tensor());
+        invalidate(w);
+        copied?;
     }
     Ok(())
+}
+
+/// Invalidates the cached casts of every parameter (and working copy) of a step: what an
+/// optimizer calls after a step that wrote them other than through [`apply`].
+pub(crate) fn invalidate_all_of(params: &[ParamUpdate<'_>]) {
+    for p in params {
+        invalidate(p.var);
+        if let Some(w) = p.working {
+            invalidate(w);
+        }
+    }
 }
 
 /// One parameter's state in buffers the optimizer owns.

@@ -153,7 +153,10 @@ impl Optimizer for Sgd {
 
     fn step(&mut self, params: &[ParamUpdate<'_>]) -> Result<()> {
         if !(self.config.fused && fused::fusable(params)) {
-            return super::default_step(self, params);
+            let stepped = super::default_step(self, params);
+            // `Var::set` keeps the ids: autocast must not serve casts of the old values.
+            fused::invalidate_all_of(params);
+            return stepped;
         }
         for p in params {
             let hyper = p.hyper;
