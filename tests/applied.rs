@@ -305,3 +305,70 @@ fn master_gradient_buffers_live_across_steps() {
         .unwrap();
     assert_eq!(flat(&opt.master_grads()["w"]), [1.0]);
 }
+
+/// Records what `step` was given at O3: whether `var` was an f32 copy or the half working
+/// Var, and whether `update` (the values) was ever asked for.
+struct Probe {
+    reads: bool,
+    seen: std::sync::Arc<std::sync::Mutex<Vec<(DType, bool)>>>,
+}
+
+impl amp::optim::Optimizer for Probe {
+    fn name(&self) -> &'static str {
+        "probe"
+    }
+    fn defaults(&self) -> amp::optim::GroupHyper {
+        amp::optim::GroupHyper {
+            lr: 0.0,
+            weight_decay: 0.0,
+        }
+    }
+    fn reads_f32_copies(&self, _params: &[amp::optim::ParamUpdate<'_>]) -> bool {
+        self.reads
+    }
+    fn update(&mut self, p: &amp::optim::ParamUpdate<'_>) -> amp::Result<Tensor> {
+        Ok(p.var.as_tensor().clone())
+    }
+    fn step(&mut self, params: &[amp::optim::ParamUpdate<'_>]) -> amp::Result<()> {
+        let mut seen = self.seen.lock().unwrap();
+        for p in params {
+            let same = p.working.is_some_and(|w| w.id() == p.var.id());
+            seen.push((p.var.dtype(), same));
+        }
+        Ok(())
+    }
+    fn state_dict(&self) -> amp::Result<amp::optim::OptimizerState> {
+        Err(amp::AmpError::OptimizerState("probe".into()))
+    }
+    fn load_state_dict(&mut self, _state: &amp::optim::OptimizerState) -> amp::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn o3_makes_f32_copies_only_for_algorithms_that_read_them() {
+    for reads in [true, false] {
+        let amp = Amp::new(OptLevel::O3, &Device::Cpu).unwrap();
+        let fc = amp::nn::linear(2, 2, amp.var_builder().pp("fc")).unwrap();
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut opt = amp
+            .optimizer(Probe {
+                reads,
+                seen: seen.clone(),
+            })
+            .unwrap();
+        let x = Tensor::ones((1, 2), DType::F16, &Device::Cpu).unwrap();
+        let loss = candle_nn::Module::forward(&fc, &x).unwrap().sum_all().unwrap();
+        amp.scale_loss(&loss, &mut opt).unwrap().backward().unwrap();
+        opt.step().unwrap();
+        let seen = seen.lock().unwrap().clone();
+        assert_eq!(seen.len(), 2);
+        for (dtype, same) in seen {
+            if reads {
+                assert_eq!((dtype, same), (DType::F32, false), "an f32 copy");
+            } else {
+                assert_eq!((dtype, same), (DType::F16, true), "the half working Var, no copy");
+            }
+        }
+    }
+}

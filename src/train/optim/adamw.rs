@@ -143,6 +143,10 @@ impl Optimizer for AdamW {
         Ok(next_theta.detach())
     }
 
+    fn reads_f32_copies(&self, params: &[ParamUpdate<'_>]) -> bool {
+        !(self.config.fused && fused::fusable(params))
+    }
+
     fn step(&mut self, params: &[ParamUpdate<'_>]) -> Result<()> {
         if !(self.config.fused && fused::fusable(params)) {
             let stepped = super::default_step(self, params);

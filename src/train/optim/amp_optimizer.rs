@@ -785,37 +785,53 @@ impl AmpOptimizer {
             hyper: GroupHyper,
             persistent: bool,
         }
-        let mut items = Vec::new();
-        for (g, p) in self.owned() {
-            if !p.trains() {
-                continue;
+        // A parameter without an f32 Var (O3) is first offered as its half working Var: an
+        // algorithm that updates it in place (the fused CPU passes) never reads an f32 copy,
+        // so none is made. Only one that reads the values gets throwaway f32 copies.
+        let build = |copies: bool| -> Result<Vec<Item>> {
+            let mut items = Vec::new();
+            for (g, p) in self.owned() {
+                if !p.trains() {
+                    continue;
+                }
+                let Some(grad) = self.grads.get(p.name()) else { continue };
+                let (var, working, persistent) = match p.f32_var() {
+                    Some(v) => {
+                        let working = (p.working().id() != v.id()).then(|| p.working_var().clone());
+                        (v.clone(), working, true)
+                    }
+                    None if copies => (Var::from_tensor(&p.f32_value()?)?, Some(p.working_var().clone()), false),
+                    None => (p.working_var().clone(), Some(p.working_var().clone()), false),
+                };
+                items.push(Item {
+                    name: p.name().to_string(),
+                    var,
+                    working,
+                    grad: grad.clone(),
+                    hyper: self.groups[g].hyper,
+                    persistent,
+                });
             }
-            let Some(grad) = self.grads.get(p.name()) else { continue };
-            let (var, persistent) = match p.f32_var() {
-                Some(v) => (v.clone(), true),
-                None => (Var::from_tensor(&p.f32_value()?)?, false),
-            };
-            let working = (p.working().id() != var.id()).then(|| p.working_var().clone());
-            items.push(Item {
-                name: p.name().to_string(),
-                var,
-                working,
-                grad: grad.clone(),
-                hyper: self.groups[g].hyper,
-                persistent,
-            });
+            Ok(items)
+        };
+        fn view(items: &[Item]) -> Vec<ParamUpdate<'_>> {
+            items
+                .iter()
+                .map(|i| ParamUpdate {
+                    name: &i.name,
+                    var: &i.var,
+                    working: i.working.as_ref(),
+                    grad: &i.grad,
+                    hyper: i.hyper,
+                    persistent: i.persistent,
+                })
+                .collect()
         }
-        let updates: Vec<ParamUpdate<'_>> = items
-            .iter()
-            .map(|i| ParamUpdate {
-                name: &i.name,
-                var: &i.var,
-                working: i.working.as_ref(),
-                grad: &i.grad,
-                hyper: i.hyper,
-                persistent: i.persistent,
-            })
-            .collect();
+        let mut items = build(false)?;
+        if items.iter().any(|i| !i.persistent) && self.algo.reads_f32_copies(&view(&items)) {
+            items = build(true)?;
+        }
+        let updates = view(&items);
         // An algorithm that cannot report its state (candle's, through the adapter) cannot be
         // rolled back; its own step says how far it is atomic.
         let snapshot = self.algo.state_dict().ok();

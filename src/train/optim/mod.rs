@@ -115,8 +115,10 @@ pub struct ParamUpdate<'a> {
     pub grad: &'a Tensor,
     /// Its group's hyper-parameters.
     pub hyper: GroupHyper,
-    /// `false` when `var` is a temporary f32 copy of a half parameter (O3, no masters): an
-    /// algorithm must not keep the Var itself between steps.
+    /// `false` when the parameter has no f32 Var (O3, no masters): `var` is then a temporary
+    /// f32 copy, or the half working Var itself when the algorithm said it does not read
+    /// the copy ([`Optimizer::reads_f32_copies`]); either way it must not be kept between
+    /// steps.
     pub persistent: bool,
 }
 
@@ -144,6 +146,18 @@ pub trait Optimizer: Send {
     /// an override must keep the same contract.
     fn step(&mut self, params: &[ParamUpdate<'_>]) -> Result<()> {
         default_step(self, params)
+    }
+
+    /// Whether [`step`](Optimizer::step) would read the f32 values of `params` whose Var is
+    /// not persistent (O3, no masters). When it returns false, such parameters come to
+    /// `step` with `var` set to the half working Var itself (`persistent: false`, `working`
+    /// the same Var), and `step` must update them through `working` without reading `var`
+    /// as f32; when true (the default), `var` is a temporary f32 copy. Our fused optimizers
+    /// return false where their in-place pass applies, which saves two parameter-sized
+    /// copies per parameter per step at O3.
+    fn reads_f32_copies(&self, params: &[ParamUpdate<'_>]) -> bool {
+        let _ = params;
+        true
     }
 
     /// The algorithm's state (moments, step counters), for checkpoints: a snapshot that
