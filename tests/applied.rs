@@ -9,11 +9,11 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use candle_amp::dist::{Communicator, DataParallel, LocalGroup};
+use candle_amp::dist::{Communicator, DataParallel};
 use candle_amp::optim::{Sgd, SgdConfig};
 use candle_amp::{self as amp, Amp, GradScaler, OptLevel, StepOutcome};
 use candle_core::{DType, Device, Tensor, Var};
-use common::{f32_bits, flat};
+use common::{f32_bits, flat, on_ranks};
 
 /// An O0 run with one parameter `w` holding 1, and an SGD optimizer (lr 1e-38).
 fn one_param() -> (Amp, Tensor, amp::AmpOptimizer) {
@@ -94,21 +94,6 @@ fn accumulated_overflow_skips_the_step_with_grad_scaler() {
     assert_eq!(f32_bits(amp.store()), before);
 }
 
-/// Runs `f` on every rank of a local group of `n` threads; results in rank order.
-fn on_ranks<T: Send>(n: usize, f: impl Fn(Arc<dyn Communicator>) -> T + Sync) -> Vec<T> {
-    let comms = LocalGroup::with_timeout(n, Duration::from_secs(60));
-    std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .into_iter()
-            .map(|c| {
-                let f = &f;
-                s.spawn(move || f(Arc::new(c)))
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    })
-}
-
 /// One data-parallel step where rank `r` runs micro-batches with gradients `grads(r)`;
 /// returns (skipped, the weights' bits before, after).
 fn ddp_step(c: Arc<dyn Communicator>, grads: impl Fn(usize) -> Vec<f32>) -> (bool, Vec<u32>, Vec<u32>) {
@@ -130,7 +115,9 @@ fn ddp_step(c: Arc<dyn Communicator>, grads: impl Fn(usize) -> Vec<f32>) -> (boo
 #[test]
 fn ranks_average_without_overflowing() {
     // 2e38 and 3e38 sum to inf, but their average, 2.5e38, is what PyTorch's DDP applies.
-    let out = on_ranks(2, |c| ddp_step(c, |r| vec![if r == 0 { 2e38 } else { 3e38 }]));
+    let out = on_ranks(2, Duration::from_secs(60), |c| {
+        ddp_step(c, |r| vec![if r == 0 { 2e38 } else { 3e38 }])
+    });
     for (skipped, _, after) in &out {
         assert!(!skipped);
         let w: Vec<f32> = after.iter().map(|b| f32::from_bits(*b)).collect();
@@ -143,7 +130,7 @@ fn ranks_average_without_overflowing() {
 #[test]
 fn one_ranks_accumulated_overflow_skips_every_rank() {
     // Rank 0 accumulates two finite gradients into an inf; rank 1 is clean.
-    let out = on_ranks(2, |c| {
+    let out = on_ranks(2, Duration::from_secs(60), |c| {
         ddp_step(c, |r| if r == 0 { vec![2e38, 2e38] } else { vec![1.0, 1.0] })
     });
     for (skipped, before, after) in &out {

@@ -3,6 +3,7 @@
 //! accumulation, `GradScaler`, synchronised batch norm, unused parameters, mismatched models
 //! and a rank that never answers. The same scenarios run across real processes under
 //! `mpirun` in `examples/ddp_check.rs` (CI).
+mod common;
 
 mod dist_scenarios;
 
@@ -10,28 +11,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use candle_amp::checkpoint::CheckpointDir;
-use candle_amp::dist::{Communicator, DataParallel, DistributedSampler, LocalGroup};
+use candle_amp::dist::{Communicator, DataParallel, DistributedSampler};
 use candle_amp::nn::linear;
 use candle_amp::optim::{Sgd, SgdConfig};
 use candle_amp::{self as amp, AmpConfig, AmpError, CallOrderKind, DistErrorKind, HalfType, OptLevel};
 use candle_core::Device;
+use common::on_ranks;
 use dist_scenarios::*;
-
-/// Runs `f` on every rank of a local group of `n`, each on its own thread; results in rank
-/// order.
-fn on_ranks<T: Send>(n: usize, timeout: Duration, f: impl Fn(Arc<dyn Communicator>) -> T + Sync) -> Vec<T> {
-    let comms = LocalGroup::with_timeout(n, timeout);
-    std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .into_iter()
-            .map(|c| {
-                let f = &f;
-                s.spawn(move || f(Arc::new(c)))
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    })
-}
 
 /// Two ranks with half the batch each end where one process with the whole batch ends, and
 /// bit-identical to each other.

@@ -2,31 +2,17 @@
 //! (a custom op, the parameter store behind a `VarBuilder`) comes back as itself, not as
 //! `AmpError::Candle`.
 
-use std::sync::Arc;
+mod common;
+
 use std::time::Duration;
 
-use candle_amp::dist::{Communicator, DataParallel, LocalGroup};
+use candle_amp::dist::DataParallel;
 use candle_amp::nn::batch_norm;
 use candle_amp::optim::{Sgd, SgdConfig};
 use candle_amp::{self as amp, AmpConfig, AmpError, CheckpointErrorKind, DistErrorKind, OptLevel};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::ModuleT;
-
-/// Runs `f` on every rank of a local group of `n` whose collectives time out after
-/// `timeout`, each rank on its own thread; results in rank order.
-fn on_ranks<T: Send>(n: usize, timeout: Duration, f: impl Fn(Arc<dyn Communicator>) -> T + Sync) -> Vec<T> {
-    let comms = LocalGroup::with_timeout(n, timeout);
-    std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .into_iter()
-            .map(|c| {
-                let f = &f;
-                s.spawn(move || f(Arc::new(c)))
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    })
-}
+use common::on_ranks;
 
 #[test]
 fn a_sync_batch_norm_timeout_is_a_typed_distributed_error() {

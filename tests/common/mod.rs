@@ -152,3 +152,23 @@ pub fn mse(model: &impl Module, x: &Tensor, y: &Tensor) -> Tensor {
     let out = model.forward(x).unwrap().to_dtype(DType::F32).unwrap();
     candle_nn::loss::mse(&out, y).unwrap()
 }
+
+/// Runs `f` on every rank of a local group of `n` whose collectives time out after
+/// `timeout`, each rank on its own thread; results in rank order.
+pub fn on_ranks<T: Send>(
+    n: usize,
+    timeout: std::time::Duration,
+    f: impl Fn(std::sync::Arc<dyn amp::dist::Communicator>) -> T + Sync,
+) -> Vec<T> {
+    let comms = amp::dist::LocalGroup::with_timeout(n, timeout);
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                let f = &f;
+                s.spawn(move || f(std::sync::Arc::new(c)))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
