@@ -2,7 +2,9 @@
 //! (forced one by one, down to the portable fallback): casts bit for bit against `half`,
 //! unscale-and-check with inf/NaN at the first, a middle and the last element, matrix
 //! products and the fused linear layer against f64 references (strided, transposed, batched,
-//! odd sizes), and the fused AdamW update bit for bit against a scalar loop.
+//! odd sizes), and the fused AdamW update bit for bit against a scalar loop. The kernels
+//! whose loops are compiled once per tier (GELU, ReLU, the norms, the bias gradient, SGD)
+//! give every tier's results bit for bit against the portable path's.
 //!
 //! The ISA switch is process-wide, so this binary runs its tests one after another under a
 //! lock.
@@ -901,4 +903,138 @@ fn norm_rejects_a_weight_of_the_wrong_length() {
     let w = rand_t(&[7], 81, DType::F32);
     let e = kernels::layer_norm(&x, Some(&w), None, 1e-5).unwrap_err().to_string();
     assert!(e.contains("weight") && e.contains("8 values"), "{e}");
+}
+
+/// The results of every kernel whose loops are compiled once per tier (GELU, ReLU, layer and
+/// RMS norm, the bias gradient's column sums, the fused SGD update), named, as bit patterns.
+fn per_tier_results() -> Vec<(String, Vec<u32>)> {
+    use candle_amp::optim::{GroupHyper, Optimizer, ParamUpdate, Sgd, SgdConfig};
+    let mut out = Vec::new();
+    for dt in [DType::F32, DType::F16, DType::BF16] {
+        // Off the vector widths and over the rayon split (more than two tasks' worth).
+        for n in [1000, 70_001] {
+            let seed = 90 + n as u64;
+            let w = rand_t(&[n], seed + 1, dt);
+            let grads = |y: &Tensor| (y * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            // GELU on finite values of every magnitude (tiny, huge, subnormal, zeros).
+            let x = Var::from_tensor(
+                &Tensor::from_vec(tricky(n, seed), n, &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dt)
+                    .unwrap(),
+            )
+            .unwrap();
+            let y = kernels::gelu(&x).unwrap();
+            out.push((format!("{dt:?} {n} gelu"), bits_f32(&y)));
+            out.push((format!("{dt:?} {n} gelu'"), bits_f32(grads(&y).get(&x).unwrap())));
+            // ReLU with a NaN and signed zeros too.
+            let mut v = tricky(n, seed + 2);
+            v[5] = f32::NAN;
+            let x = Var::from_tensor(&Tensor::from_vec(v, n, &Device::Cpu).unwrap().to_dtype(dt).unwrap()).unwrap();
+            let y = kernels::relu(&x).unwrap();
+            out.push((format!("{dt:?} {n} relu"), bits_f32(&y)));
+            out.push((format!("{dt:?} {n} relu'"), bits_f32(grads(&y).get(&x).unwrap())));
+        }
+        // Norms: rows narrower than, at and off the lane count, and enough to split.
+        for (rows, n) in [(5, 7), (700, 64), (9, 300)] {
+            let seed = 100 + n as u64;
+            let x = Var::from_tensor(
+                &((rand_t(&[rows, n], seed, DType::F32) * 3.0).unwrap() + 2.0)
+                    .unwrap()
+                    .to_dtype(dt)
+                    .unwrap(),
+            )
+            .unwrap();
+            let w = Var::from_tensor(&(rand_t(&[n], seed + 1, DType::F32) + 1.0).unwrap()).unwrap();
+            let b = Var::from_tensor(&rand_t(&[n], seed + 2, dt)).unwrap();
+            let r = rand_t(&[rows, n], seed + 3, DType::F32);
+            let cases = [
+                ("layer_norm", kernels::layer_norm(&x, Some(&w), Some(&b), 1e-5).unwrap()),
+                ("layer_norm_plain", kernels::layer_norm(&x, None, None, 1e-5).unwrap()),
+                ("rms_norm", kernels::rms_norm(&x, Some(&w), 1e-5).unwrap()),
+            ];
+            for (name, y) in cases {
+                let what = format!("{dt:?} {rows}x{n} {name}");
+                out.push((what.clone(), bits_f32(&y)));
+                let g = (y.to_dtype(DType::F32).unwrap() * &r)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .backward()
+                    .unwrap();
+                for (p, pname) in [(&x, "dx"), (&w, "dw"), (&b, "db")] {
+                    if let Some(gp) = g.get(p) {
+                        out.push((format!("{what} {pname}"), bits_f32(gp)));
+                    }
+                }
+            }
+        }
+        // The bias gradient of `linear` alone (x and w untracked): the column sums of the
+        // incoming gradient, which does not depend on the (tier-dependent) product.
+        for (m, n) in [(3, 5), (300, 45), (64, 1000)] {
+            let x = rand_t(&[m, 20], 110 + m as u64, dt);
+            let wt = rand_t(&[n, 20], 111, dt);
+            let b = Var::from_tensor(&rand_t(&[n], 112, dt)).unwrap();
+            let r = rand_t(&[m, n], 113, DType::F32);
+            let y = kernels::linear(&x, &wt, Some(&b)).unwrap();
+            let g = (y.to_dtype(DType::F32).unwrap() * &r)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            out.push((format!("{dt:?} {m}x{n} linear db"), bits_f32(g.get(&b).unwrap())));
+        }
+        // The fused SGD update: f32 parameters in place, half ones (O3) through f32 blocks;
+        // without momentum, with it (the first step starts the buffer) and Nesterov's.
+        let n = 2 * 512 + 37;
+        for (momentum, nesterov, weight_decay) in [(0.0, false, 0.0), (0.9, false, 0.01), (0.9, true, 0.01)] {
+            let mut opt = Sgd::new(SgdConfig {
+                momentum,
+                nesterov,
+                weight_decay,
+                ..SgdConfig::new(0.05)
+            })
+            .unwrap();
+            let var = Var::from_tensor(&rand_t(&[n], 120, dt)).unwrap();
+            for s in 0..3 {
+                let grad = (rand_t(&[n], 121 + s, DType::F32) * 10.0).unwrap();
+                let p = ParamUpdate {
+                    name: "p",
+                    var: &var,
+                    working: (dt != DType::F32).then_some(&var),
+                    grad: &grad,
+                    hyper: GroupHyper { lr: 0.05, weight_decay },
+                    persistent: dt == DType::F32,
+                };
+                opt.step(&[p]).unwrap();
+                let what = format!("{dt:?} sgd momentum {momentum} nesterov {nesterov} step {s}");
+                out.push((what, bits_f32(var.as_tensor())));
+            }
+        }
+    }
+    out
+}
+
+/// Every tier computes what the portable path does, bit for bit: the per-tier loops run the
+/// same operations in the same order (no FMA contraction, lane sums of a fixed width).
+#[test]
+fn every_tier_computes_the_portable_results_bit_for_bit() {
+    let mut portable = Vec::new();
+    each_isa(|isa| {
+        let got = per_tier_results();
+        if isa == Isa::Portable {
+            portable = got;
+            return;
+        }
+        assert_eq!(got.len(), portable.len(), "{isa:?}");
+        for ((what, a), (_, b)) in got.iter().zip(&portable) {
+            assert_eq!(a.len(), b.len(), "{isa:?} {what}");
+            if let Some(i) = a.iter().zip(b).position(|(p, q)| p != q) {
+                let (p, q) = (f32::from_bits(a[i]), f32::from_bits(b[i]));
+                panic!("{isa:?} {what}[{i}]: {p:e} against the portable {q:e}");
+            }
+        }
+    });
+    assert!(!portable.is_empty());
 }

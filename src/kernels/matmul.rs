@@ -306,18 +306,34 @@ fn linear_cpu(
 
 /// The column sums of `g` (rows of length n), in f32.
 fn column_sums<T: Elem + super::slices::Vx>(g: &[T], n: usize) -> Vec<f32> {
-    let mut sum = vec![0f32; n];
     if n == 0 {
-        return sum;
+        return Vec::new();
     }
-    let mut row = vec![0f32; n];
-    for r in g.chunks(n) {
-        convert(r, &mut row);
-        for (s, v) in sum.iter_mut().zip(&row) {
-            *s += v;
+    super::dispatch::dispatch(ColumnSums { g, n })
+}
+
+/// [`column_sums`]' loop, compiled per tier (the same additions in the same order on each):
+/// each row widened to f32 with the vectorised conversion, then added.
+struct ColumnSums<'a, T> {
+    g: &'a [T],
+    n: usize,
+}
+
+impl<T: Elem + super::slices::Vx> super::dispatch::Kernel for ColumnSums<'_, T> {
+    type Output = Vec<f32>;
+    #[inline(always)]
+    fn run(self) -> Vec<f32> {
+        let mut sum = vec![0f32; self.n];
+        let mut row = vec![0f32; self.n];
+        for r in self.g.chunks(self.n) {
+            let row = &mut row[..r.len()];
+            convert(r, row);
+            for (s, v) in sum.iter_mut().zip(row.iter()) {
+                *s += v;
+            }
         }
+        sum
     }
-    sum
 }
 
 /// Gradients of `x w^T (+ b)` for `x` (rows m x k), `w` (n x k), given `g` (m x n).

@@ -28,6 +28,7 @@ mod amx;
 #[cfg(target_arch = "x86_64")]
 mod bf16_gemm;
 mod cast;
+mod dispatch;
 pub(crate) mod fingerprint;
 mod gelu;
 mod gemm;

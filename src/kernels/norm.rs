@@ -21,6 +21,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+use super::dispatch::{Kernel, LANES, dispatch, reduce, sum_lanes};
 use super::simd::Elem;
 use super::slices::{Vx, convert_serial as convert};
 
@@ -40,10 +41,17 @@ fn widen_param(s: &CpuStorage, l: &Layout, n: usize, what: &str) -> Result<Vec<f
     }
     Ok(match s {
         CpuStorage::F32(v) => v[a..b].to_vec(),
-        CpuStorage::F16(v) => v[a..b].iter().map(|x| x.to_f32()).collect(),
-        CpuStorage::BF16(v) => v[a..b].iter().map(|x| x.to_f32()).collect(),
+        CpuStorage::F16(v) => widen(&v[a..b]),
+        CpuStorage::BF16(v) => widen(&v[a..b]),
         other => candle_core::bail!("amp-norm: {what} of type {:?}", other.dtype()),
     })
+}
+
+/// `v` as f32 values, through the vectorised conversion.
+fn widen<T: Elem + Vx>(v: &[T]) -> Vec<f32> {
+    let mut out = vec![0f32; v.len()];
+    convert(v, &mut out);
+    out
 }
 
 /// The normalisation's parameters: `center` for layer norm (RMS norm when false).
@@ -54,12 +62,13 @@ struct Norm {
 }
 
 impl Norm {
-    /// `(mean, rstd)` of a row in f32 (mean 0 for RMS norm).
-    #[inline]
+    /// `(mean, rstd)` of a row in f32 (mean 0 for RMS norm). The sums are lane sums (see
+    /// `dispatch`): vectorised, and the same on every tier.
+    #[inline(always)]
     fn stats(&self, r: &[f32]) -> (f32, f32) {
         let n = r.len() as f32;
-        let mean = if self.center { r.iter().sum::<f32>() / n } else { 0.0 };
-        let var = r.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
+        let mean = if self.center { sum_lanes(r, |v| v) / n } else { 0.0 };
+        let var = sum_lanes(r, |v| (v - mean) * (v - mean)) / n;
         (mean, 1.0 / (var + self.eps).sqrt())
     }
 
@@ -70,19 +79,32 @@ impl Norm {
 
     fn forward<T: Elem + Vx>(&self, x: &[T], n: usize, w: Option<&[f32]>, b: Option<&[f32]>) -> Vec<T> {
         let mut out = vec![T::from_f32(0.0); x.len()];
-        let run = |xs: &[T], ys: &mut [T]| {
-            let mut buf = vec![0f32; n];
-            for (xr, yr) in xs.chunks(n).zip(ys.chunks_mut(n)) {
-                convert(xr, &mut buf);
-                let (mean, rstd) = self.stats(&buf);
-                for (j, v) in buf.iter_mut().enumerate() {
-                    let h = (*v - mean) * rstd;
-                    *v = h * w.map_or(1.0, |w| w[j]) + b.map_or(0.0, |b| b[j]);
-                }
-                convert(&buf, yr);
+        // A missing weight multiplies by 1 and a missing bias adds 0, as slices: the row loop
+        // then has no per-value branch (and the same arithmetic as with them).
+        let (ones, zeros);
+        let w = match w {
+            Some(w) => w,
+            None => {
+                ones = vec![1f32; n];
+                &ones
             }
         };
-        self.split(x, &mut out, n, run);
+        let b = match b {
+            Some(b) => b,
+            None => {
+                zeros = vec![0f32; n];
+                &zeros
+            }
+        };
+        self.split(x, &mut out, n, |x, y| {
+            dispatch(ForwardRows {
+                norm: *self,
+                x,
+                y,
+                w,
+                b,
+            })
+        });
         out
     }
 
@@ -101,34 +123,30 @@ impl Norm {
     fn grad_x<T: Elem + Vx>(&self, x: &[T], dy: &[T], n: usize, w: Option<&[f32]>) -> Vec<T> {
         let mut out = vec![T::from_f32(0.0); x.len()];
         let task = Self::rows_per_task(n) * n;
-        let run = |(xs, dys): (&[T], &[T]), dxs: &mut [T]| {
-            let (mut xb, mut gb) = (vec![0f32; n], vec![0f32; n]);
-            for ((xr, dyr), dxr) in xs.chunks(n).zip(dys.chunks(n)).zip(dxs.chunks_mut(n)) {
-                convert(xr, &mut xb);
-                convert(dyr, &mut gb);
-                let (mean, rstd) = self.stats(&xb);
-                let (mut sg, mut sgh) = (0f32, 0f32);
-                for (j, (xv, gv)) in xb.iter_mut().zip(gb.iter_mut()).enumerate() {
-                    *xv = (*xv - mean) * rstd;
-                    *gv *= w.map_or(1.0, |w| w[j]);
-                    sg += *gv;
-                    sgh += *gv * *xv;
-                }
-                let nf = n as f32;
-                let (mg, mgh) = (if self.center { sg / nf } else { 0.0 }, sgh / nf);
-                for (gv, h) in gb.iter_mut().zip(&xb) {
-                    *gv = rstd * (*gv - mg - h * mgh);
-                }
-                convert(&gb, dxr);
+        let ones;
+        let w = match w {
+            Some(w) => w,
+            None => {
+                ones = vec![1f32; n];
+                &ones
             }
+        };
+        let run = |x, dy, dx| {
+            dispatch(GradXRows {
+                norm: *self,
+                x,
+                dy,
+                dx,
+                w,
+            })
         };
         if x.len() > 2 * task && rayon::current_num_threads() > 1 {
             x.par_chunks(task)
                 .zip(dy.par_chunks(task))
                 .zip(out.par_chunks_mut(task))
-                .for_each(|(a, b)| run(a, b));
+                .for_each(|((x, dy), dx)| run(x, dy, dx));
         } else {
-            run((x, dy), &mut out);
+            run(x, dy, &mut out);
         }
         out
     }
@@ -136,21 +154,7 @@ impl Norm {
     /// `[Σ dy * x̂, Σ dy]` over the rows, as `2 * n` f32 values.
     fn grad_wb<T: Elem + Vx>(&self, x: &[T], dy: &[T], n: usize) -> Vec<f32> {
         let task = Self::rows_per_task(n) * n;
-        let run = |xs: &[T], dys: &[T]| {
-            let mut acc = vec![0f32; 2 * n];
-            let (mut xb, mut gb) = (vec![0f32; n], vec![0f32; n]);
-            for (xr, dyr) in xs.chunks(n).zip(dys.chunks(n)) {
-                convert(xr, &mut xb);
-                convert(dyr, &mut gb);
-                let (mean, rstd) = self.stats(&xb);
-                let (dw, db) = acc.split_at_mut(n);
-                for j in 0..n {
-                    dw[j] += gb[j] * ((xb[j] - mean) * rstd);
-                    db[j] += gb[j];
-                }
-            }
-            acc
-        };
+        let run = |x, dy| dispatch(GradWbRows { norm: *self, x, dy, n });
         let add = |mut a: Vec<f32>, b: Vec<f32>| {
             for (p, q) in a.iter_mut().zip(&b) {
                 *p += q;
@@ -160,11 +164,133 @@ impl Norm {
         if x.len() > 2 * task && rayon::current_num_threads() > 1 {
             x.par_chunks(task)
                 .zip(dy.par_chunks(task))
-                .map(|(a, b)| run(a, b))
+                .map(|(x, dy)| run(x, dy))
                 .reduce(|| vec![0f32; 2 * n], add)
         } else {
             run(x, dy)
         }
+    }
+}
+
+/// `y = x̂ * w + b` for whole rows of `w.len()` values, on the calling thread, compiled per
+/// tier; rows are widened to f32 and rounded back with the vectorised slice conversions.
+struct ForwardRows<'a, T> {
+    norm: Norm,
+    x: &'a [T],
+    y: &'a mut [T],
+    w: &'a [f32],
+    b: &'a [f32],
+}
+
+impl<T: Elem + Vx> Kernel for ForwardRows<'_, T> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        let n = self.w.len();
+        let mut buf = vec![0f32; n];
+        for (xr, yr) in self.x.chunks(n).zip(self.y.chunks_mut(n)) {
+            convert(xr, &mut buf);
+            let (mean, rstd) = self.norm.stats(&buf);
+            for ((v, w), b) in buf.iter_mut().zip(self.w).zip(self.b) {
+                *v = (*v - mean) * rstd * w + b;
+            }
+            convert(&buf, yr);
+        }
+    }
+}
+
+/// `dx` for whole rows of `w.len()` values (as [`ForwardRows`]).
+struct GradXRows<'a, T> {
+    norm: Norm,
+    x: &'a [T],
+    dy: &'a [T],
+    dx: &'a mut [T],
+    w: &'a [f32],
+}
+
+impl<T: Elem + Vx> Kernel for GradXRows<'_, T> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        let n = self.w.len();
+        let (mut xb, mut gb) = (vec![0f32; n], vec![0f32; n]);
+        let rows = self.x.chunks(n).zip(self.dy.chunks(n));
+        for ((xr, dyr), dxr) in rows.zip(self.dx.chunks_mut(n)) {
+            convert(xr, &mut xb);
+            convert(dyr, &mut gb);
+            let (mean, rstd) = self.norm.stats(&xb);
+            let (sg, sgh) = normalise_and_sum(&mut xb, &mut gb, self.w, mean, rstd);
+            let nf = n as f32;
+            let (mg, mgh) = (if self.norm.center { sg / nf } else { 0.0 }, sgh / nf);
+            for (gv, h) in gb.iter_mut().zip(&xb) {
+                *gv = rstd * (*gv - mg - h * mgh);
+            }
+            convert(&gb, dxr);
+        }
+    }
+}
+
+/// In place, `x = x̂ = (x - mean) * rstd` and `g = dy * w`; returns `(Σ g, Σ g * x̂)` as lane
+/// sums (see `dispatch`).
+#[inline(always)]
+fn normalise_and_sum(x: &mut [f32], g: &mut [f32], w: &[f32], mean: f32, rstd: f32) -> (f32, f32) {
+    let (mut sg, mut sgh) = ([0f32; LANES], [0f32; LANES]);
+    let mut xc = x.chunks_exact_mut(LANES);
+    let mut gc = g.chunks_exact_mut(LANES);
+    let mut wc = w.chunks_exact(LANES);
+    for ((x, g), w) in (&mut xc).zip(&mut gc).zip(&mut wc) {
+        // Arrays, not slices: whole vectors, no bounds checks.
+        let x: &mut [f32; LANES] = x.try_into().expect("a whole chunk");
+        let g: &mut [f32; LANES] = g.try_into().expect("a whole chunk");
+        let w: &[f32; LANES] = w.try_into().expect("a whole chunk");
+        for l in 0..LANES {
+            x[l] = (x[l] - mean) * rstd;
+            g[l] *= w[l];
+            sg[l] += g[l];
+            sgh[l] += g[l] * x[l];
+        }
+    }
+    let (mut tg, mut tgh) = (0f32, 0f32);
+    let rest = xc
+        .into_remainder()
+        .iter_mut()
+        .zip(gc.into_remainder())
+        .zip(wc.remainder());
+    for ((x, g), w) in rest {
+        *x = (*x - mean) * rstd;
+        *g *= w;
+        tg += *g;
+        tgh += *g * *x;
+    }
+    (reduce(&sg, tg), reduce(&sgh, tgh))
+}
+
+/// `[Σ dy * x̂, Σ dy]` over whole rows of `n` values (as [`ForwardRows`]).
+struct GradWbRows<'a, T> {
+    norm: Norm,
+    x: &'a [T],
+    dy: &'a [T],
+    n: usize,
+}
+
+impl<T: Elem + Vx> Kernel for GradWbRows<'_, T> {
+    type Output = Vec<f32>;
+    #[inline(always)]
+    fn run(self) -> Vec<f32> {
+        let n = self.n;
+        let mut acc = vec![0f32; 2 * n];
+        let (mut xb, mut gb) = (vec![0f32; n], vec![0f32; n]);
+        for (xr, dyr) in self.x.chunks(n).zip(self.dy.chunks(n)) {
+            convert(xr, &mut xb);
+            convert(dyr, &mut gb);
+            let (mean, rstd) = self.norm.stats(&xb);
+            let (dw, db) = acc.split_at_mut(n);
+            for (((dw, db), g), x) in dw.iter_mut().zip(db.iter_mut()).zip(&gb).zip(&xb) {
+                *dw += g * ((x - mean) * rstd);
+                *db += g;
+            }
+        }
+        acc
     }
 }
 

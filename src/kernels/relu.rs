@@ -8,6 +8,8 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+use super::dispatch::{Kernel, dispatch};
+
 const CHUNK: usize = 1 << 16;
 
 /// Values as their bits, with the sign bit and the "positive non-zero" test for each type.
@@ -58,12 +60,55 @@ macro_rules! half_bits {
 half_bits!(f16, 0x7C00);
 half_bits!(bf16, 0x7F80);
 
-fn par<T: Send + Sync, U: Send>(src: &[T], f: impl Fn(&T) -> U + Sync + Send) -> Vec<U> {
-    if src.len() > 2 * CHUNK && rayon::current_num_threads() > 1 {
-        src.par_chunks(CHUNK).flat_map_iter(|c| c.iter().map(&f)).collect()
-    } else {
-        src.iter().map(f).collect()
+/// `dst = relu(src)` on the calling thread, compiled per tier (bit operations: the tiers
+/// agree bit for bit).
+struct Forward<'a, T> {
+    src: &'a [T],
+    dst: &'a mut [T],
+}
+
+impl<T: Bits> Kernel for Forward<'_, T> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        for (d, s) in self.dst.iter_mut().zip(self.src) {
+            *d = s.relu();
+        }
     }
+}
+
+/// `dst = g` where `y > 0`, else 0, on the calling thread, compiled per tier.
+struct Backward<'a, T> {
+    y: &'a [T],
+    g: &'a [T],
+    dst: &'a mut [T],
+}
+
+impl<T: Bits> Kernel for Backward<'_, T> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        for ((d, y), g) in self.dst.iter_mut().zip(self.y).zip(self.g) {
+            *d = if y.positive() { *g } else { T::ZERO };
+        }
+    }
+}
+
+/// Whether `n` values are worth splitting into tasks of [`CHUNK`] over the rayon pool.
+fn parallel(n: usize) -> bool {
+    n > 2 * CHUNK && rayon::current_num_threads() > 1
+}
+
+fn forward<T: Bits>(src: &[T]) -> Vec<T> {
+    let mut out = vec![T::ZERO; src.len()];
+    if parallel(src.len()) {
+        src.par_chunks(CHUNK)
+            .zip(out.par_chunks_mut(CHUNK))
+            .for_each(|(src, dst)| dispatch(Forward { src, dst }));
+    } else {
+        dispatch(Forward { src, dst: &mut out });
+    }
+    out
 }
 
 fn contiguous(l: &Layout) -> Result<(usize, usize)> {
@@ -81,9 +126,9 @@ impl CustomOp1 for Relu {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let (a, b) = contiguous(l)?;
         let out = match s {
-            CpuStorage::F32(v) => CpuStorage::F32(par(&v[a..b], |x| x.relu())),
-            CpuStorage::F16(v) => CpuStorage::F16(par(&v[a..b], |x| x.relu())),
-            CpuStorage::BF16(v) => CpuStorage::BF16(par(&v[a..b], |x| x.relu())),
+            CpuStorage::F32(v) => CpuStorage::F32(forward(&v[a..b])),
+            CpuStorage::F16(v) => CpuStorage::F16(forward(&v[a..b])),
+            CpuStorage::BF16(v) => CpuStorage::BF16(forward(&v[a..b])),
             other => candle_core::bail!("amp-relu: {:?}", other.dtype()),
         };
         Ok((out, l.shape().clone()))
@@ -98,16 +143,19 @@ impl CustomOp1 for Relu {
 /// `grad` where `y > 0`, else 0.
 struct ReluGrad;
 
+/// Panics if the lengths differ (checked by the op before).
 fn masked<T: Bits>(y: &[T], g: &[T]) -> Vec<T> {
-    let f = |(yv, gv): (&T, &T)| if yv.positive() { *gv } else { T::ZERO };
-    if y.len() > 2 * CHUNK && rayon::current_num_threads() > 1 {
+    assert_eq!(y.len(), g.len(), "relu grad: lengths differ");
+    let mut out = vec![T::ZERO; y.len()];
+    if parallel(y.len()) {
         y.par_chunks(CHUNK)
             .zip(g.par_chunks(CHUNK))
-            .flat_map_iter(|(a, b)| a.iter().zip(b).map(f))
-            .collect()
+            .zip(out.par_chunks_mut(CHUNK))
+            .for_each(|((y, g), dst)| dispatch(Backward { y, g, dst }));
     } else {
-        y.iter().zip(g).map(f).collect()
+        dispatch(Backward { y, g, dst: &mut out });
     }
+    out
 }
 
 impl CustomOp2 for ReluGrad {
@@ -117,6 +165,10 @@ impl CustomOp2 for ReluGrad {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let ((a, b), (c, d)) = (contiguous(l1)?, contiguous(l2)?);
+        // An error, not the kernel's panic: the op may be applied to any pair of tensors.
+        if b - a != d - c {
+            candle_core::bail!("amp-relu-grad: lengths differ ({} outputs, {} gradients)", b - a, d - c)
+        }
         let out = match (s1, s2) {
             (CpuStorage::F32(y), CpuStorage::F32(g)) => CpuStorage::F32(masked(&y[a..b], &g[c..d])),
             (CpuStorage::F16(y), CpuStorage::F16(g)) => CpuStorage::F16(masked(&y[a..b], &g[c..d])),

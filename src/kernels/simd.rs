@@ -49,6 +49,18 @@ impl Elem for bf16 {
     }
 }
 
+/// `s` as f32 values when `T` is f32 (decided at compile time once monomorphised), so a
+/// kernel can work on f32 data in place instead of through a conversion buffer.
+#[inline(always)]
+pub(crate) fn as_f32_mut<T: Elem>(s: &mut [T]) -> Option<&mut [f32]> {
+    if std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>() {
+        // SAFETY: `T` is `f32`: the same slice, retyped to itself.
+        Some(unsafe { &mut *(s as *mut [T] as *mut [f32]) })
+    } else {
+        None
+    }
+}
+
 /// `half`'s f32 -> bf16 rounding on the bit pattern.
 #[inline(always)]
 pub(crate) fn bf16_bits(x: u32) -> u16 {

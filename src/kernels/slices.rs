@@ -5,6 +5,7 @@
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+use super::dispatch::{Kernel, dispatch};
 use super::isa::{Isa, current};
 use super::simd::Elem;
 use crate::error::{AmpError, Result};
@@ -388,53 +389,127 @@ pub(crate) struct SgdConsts {
 }
 
 impl SgdConsts {
+    /// One value's update, with the step's flags as constants (`DECAY`: a weight decay other
+    /// than 0; `FIRST` and `NESTEROV` as the fields): the loop calling it is then straight-line
+    /// code the compiler vectorises, where a per-value test of the fields kept the AVX2 loop
+    /// scalar.
     #[inline(always)]
-    pub(crate) fn update(&self, p: f32, g: f32, buf: Option<&mut f32>) -> f32 {
-        let mut d = if self.weight_decay != 0.0 {
-            g + p * self.weight_decay
-        } else {
-            g
-        };
+    fn update<const DECAY: bool, const FIRST: bool, const NESTEROV: bool>(
+        &self,
+        p: f32,
+        g: f32,
+        buf: Option<&mut f32>,
+    ) -> f32 {
+        let mut d = if DECAY { g + p * self.weight_decay } else { g };
         if let Some(b) = buf {
-            let nb = if self.first {
+            let nb = if FIRST {
                 d
             } else {
                 self.momentum * *b + self.one_minus_dampening * d
             };
             *b = nb;
-            d = if self.nesterov { d + nb * self.momentum } else { nb };
+            d = if NESTEROV { d + nb * self.momentum } else { nb };
         }
         p - d * self.lr
     }
 }
 
-/// One fused SGD pass (scalar loops the compiler vectorizes; momentum optional).
+/// Values per block of the SGD update: widened to f32 on the stack, updated, narrowed back.
+const SGD_BLOCK: usize = 512;
+
+/// One fused SGD pass (momentum optional), compiled per tier (see `dispatch`): the same
+/// operations in the same order on each, so they agree bit for bit.
 pub(crate) fn sgd_param<H: Elem + Vx>(p: ParamSlice<'_, H>, g: &[f32], buf: Option<&mut [f32]>, c: &SgdConsts) {
-    fn run<P: Elem, H: Elem>(p: &mut [P], g: &[f32], buf: Option<&mut [f32]>, mut h: Option<&mut [H]>, c: &SgdConsts) {
-        match buf {
-            Some(b) => {
-                for i in 0..p.len() {
-                    let np = c.update(p[i].to_f32(), g[i], Some(&mut b[i]));
-                    p[i] = P::from_f32(np);
-                    if let Some(h) = h.as_deref_mut() {
-                        h[i] = H::from_f32(np);
-                    }
-                }
+    match p {
+        ParamSlice::F32(p, h) => dispatch(Sgd { p, g, buf, h, c }),
+        ParamSlice::Half(p) => dispatch(Sgd::<H, H> { p, g, buf, h: None, c }),
+    }
+}
+
+/// The SGD update of `p` (and its half copy `h`) on the calling thread.
+struct Sgd<'a, P, H> {
+    p: &'a mut [P],
+    g: &'a [f32],
+    buf: Option<&'a mut [f32]>,
+    h: Option<&'a mut [H]>,
+    c: &'a SgdConsts,
+}
+
+impl<P: Elem + Vx, H: Elem + Vx> Kernel for Sgd<'_, P, H> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        let Sgd {
+            p,
+            g,
+            mut buf,
+            mut h,
+            c,
+        } = self;
+        let n = p.len();
+        let same = g.len() == n && buf.as_ref().is_none_or(|b| b.len() == n) && h.as_ref().is_none_or(|h| h.len() == n);
+        assert!(same, "sgd: lengths differ");
+        // f32 values are updated where they are; half ones in f32 blocks, through the
+        // vectorised slice conversions (a per-value `half` conversion is an out-of-line call
+        // in a baseline build).
+        if let Some(p) = super::simd::as_f32_mut(p) {
+            sgd_block(p, g, buf, c);
+            if let Some(h) = h {
+                convert_serial(p, h);
             }
-            None => {
-                for i in 0..p.len() {
-                    let np = c.update(p[i].to_f32(), g[i], None);
-                    p[i] = P::from_f32(np);
-                    if let Some(h) = h.as_deref_mut() {
-                        h[i] = H::from_f32(np);
-                    }
-                }
+            return;
+        }
+        let mut pb = [0f32; SGD_BLOCK];
+        for start in (0..n).step_by(SGD_BLOCK) {
+            let end = (start + SGD_BLOCK).min(n);
+            let f = &mut pb[..end - start];
+            convert_serial(&p[start..end], f);
+            sgd_block(f, &g[start..end], buf.as_deref_mut().map(|b| &mut b[start..end]), c);
+            convert_serial(f, &mut p[start..end]);
+            if let Some(h) = h.as_deref_mut() {
+                convert_serial(f, &mut h[start..end]);
             }
         }
     }
-    match p {
-        ParamSlice::F32(p, h) => run(p, g, buf, h, c),
-        ParamSlice::Half(p) => run::<H, H>(p, g, buf, None, c),
+}
+
+/// The SGD update of f32 values in place (lengths checked by the caller), through the loop
+/// for this step's flags.
+#[inline(always)]
+fn sgd_block(p: &mut [f32], g: &[f32], buf: Option<&mut [f32]>, c: &SgdConsts) {
+    match (c.weight_decay != 0.0, c.first, c.nesterov) {
+        (false, false, false) => sgd_loop::<false, false, false>(p, g, buf, *c),
+        (false, false, true) => sgd_loop::<false, false, true>(p, g, buf, *c),
+        (false, true, false) => sgd_loop::<false, true, false>(p, g, buf, *c),
+        (false, true, true) => sgd_loop::<false, true, true>(p, g, buf, *c),
+        (true, false, false) => sgd_loop::<true, false, false>(p, g, buf, *c),
+        (true, false, true) => sgd_loop::<true, false, true>(p, g, buf, *c),
+        (true, true, false) => sgd_loop::<true, true, false>(p, g, buf, *c),
+        (true, true, true) => sgd_loop::<true, true, true>(p, g, buf, *c),
+    }
+}
+
+/// [`sgd_block`] for one combination of flags. `c` by value: held in registers, where
+/// through a reference the compiler reloads it after every store (the stores might alias it
+/// as far as it can tell once inlined).
+#[inline(always)]
+fn sgd_loop<const DECAY: bool, const FIRST: bool, const NESTEROV: bool>(
+    p: &mut [f32],
+    g: &[f32],
+    buf: Option<&mut [f32]>,
+    c: SgdConsts,
+) {
+    match buf {
+        Some(b) => {
+            for ((p, g), b) in p.iter_mut().zip(g).zip(b.iter_mut()) {
+                *p = c.update::<DECAY, FIRST, NESTEROV>(*p, *g, Some(b));
+            }
+        }
+        None => {
+            for (p, g) in p.iter_mut().zip(g) {
+                *p = c.update::<DECAY, FIRST, NESTEROV>(*p, *g, None);
+            }
+        }
     }
 }
 
