@@ -12,49 +12,16 @@
 //! each as a multiple of the weights' size (the target is below 1.5x). The table goes to
 //! stderr; with `--json` stdout carries one JSON object.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicIsize, Ordering};
-
 use anyhow::{Context, Result};
 use candle_amp::checkpoint::CheckpointDir;
 use candle_amp::{self as amp, AmpConfig, OptLevel};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Module, VarBuilder};
 
-struct Counting;
-
-static LIVE: AtomicIsize = AtomicIsize::new(0);
-static PEAK: AtomicIsize = AtomicIsize::new(0);
-
-fn add(n: isize) {
-    let now = LIVE.fetch_add(n, Ordering::Relaxed) + n;
-    PEAK.fetch_max(now, Ordering::Relaxed);
-}
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        add(l.size() as isize);
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        add(-(l.size() as isize));
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        add(new as isize - l.size() as isize);
-        unsafe { System.realloc(p, l, new) }
-    }
-}
-
-#[global_allocator]
-static A: Counting = Counting;
-
-/// Resets the peak to the current level and returns that level.
-fn mark() -> isize {
-    let now = LIVE.load(Ordering::Relaxed);
-    PEAK.store(now, Ordering::Relaxed);
-    now
-}
+// The bench's counting allocator (the bytes the program asked for): one copy for both.
+#[allow(dead_code)]
+#[path = "bench/counting.rs"]
+mod counting;
 
 const WIDTH: usize = 2048;
 
@@ -110,22 +77,22 @@ fn main() -> Result<()> {
     opt.zero_grad();
     drop(loss);
 
-    let before = mark();
+    let before = counting::reset_peak();
     let t0 = std::time::Instant::now();
     ckpts.save(&amp, &[&opt], 1, serde_json::Value::Null)?;
     let save_s = t0.elapsed().as_secs_f64();
-    let save_extra = (PEAK.load(Ordering::Relaxed) - before) as f64;
+    let save_extra = (counting::peak() - before) as f64;
     drop((model, opt, amp));
 
     let (_model, mut opt, amp) = run(layers)?;
-    let before = mark();
+    let before = counting::reset_peak();
     let t0 = std::time::Instant::now();
     let ck = ckpts.load()?;
     ck.restore(&amp, &mut [&mut opt])?;
     drop(ck);
     let load_s = t0.elapsed().as_secs_f64();
-    let after = LIVE.load(Ordering::Relaxed);
-    let load_peak = PEAK.load(Ordering::Relaxed);
+    let after = counting::live();
+    let load_peak = counting::peak();
     // What the restore adds for good (the optimizer's moments) is the run, not overhead.
     let load_extra = (load_peak - after.max(before)) as f64;
     let restored_state = (after - before) as f64;

@@ -359,3 +359,22 @@ fn o3_makes_f32_copies_only_for_algorithms_that_read_them() {
         }
     }
 }
+
+#[test]
+fn accumulated_overflow_is_caught_on_the_fallback_path_too() {
+    // With the kernels off (the path every other device takes) the sum is made with tensor
+    // ops and checked after it.
+    let _plain = amp::kernels::plain();
+    let (amp, w, mut opt) = one_param();
+    let before = f32_bits(amp.store());
+    let mut backward = || {
+        amp.scale_loss(&loss_with_grad(&w, 2e38), &mut opt)
+            .unwrap()
+            .backward()
+            .unwrap()
+    };
+    assert!(!backward().found_inf);
+    assert_eq!(backward().nonfinite, ["w"]);
+    assert!(opt.step().unwrap().is_skipped());
+    assert_eq!(f32_bits(amp.store()), before);
+}

@@ -157,27 +157,10 @@ pub fn unscale_check_into(raw: &Tensor, scale: f32, acc: &Tensor, accumulate: bo
 }
 
 /// `prev + g` for two f32 gradients of one shape, into a new detached tensor, and whether a
-/// sum is inf or NaN (with `check`): gradient accumulation, where two finite gradients can
-/// add up to an overflow that neither raw gradient showed. One pass on the CPU (the copy of
-/// `prev`, then [`unscale_storage`]'s add-and-check); tensor ops elsewhere.
+/// sum is inf or NaN (with `check`): gradient accumulation where the sum cannot be made in
+/// place by [`unscale_check_into`] (off the CPU, or with the kernels off), and where two
+/// finite gradients can still add up to an overflow that neither raw gradient showed.
 pub(crate) fn add_check(prev: &Tensor, g: &Tensor, check: bool) -> Result<(Tensor, bool)> {
-    let fast = super::enabled()
-        && prev.device().is_cpu()
-        && g.device().is_cpu()
-        && prev.dtype() == DType::F32
-        && g.dtype() == DType::F32
-        && prev.shape() == g.shape();
-    if fast {
-        let mut out = prev.flatten_all()?.to_vec1::<f32>()?;
-        let g = g.detach().contiguous()?;
-        let (storage, layout) = g.storage_and_layout();
-        if let (Storage::Cpu(cs), Some((a, b))) = (&*storage, layout.contiguous_offsets())
-            && let Some(bad) = unscale_storage(cs, a, b, &mut out, Unscale::Identity, true)
-        {
-            drop(storage);
-            return Ok((Tensor::from_vec(out, prev.shape(), prev.device())?, check && bad));
-        }
-    }
     let sum = (prev + g)?.detach();
     let bad = check && nonfinite(&sum)?;
     Ok((sum, bad))
