@@ -103,10 +103,11 @@ impl Amp {
     /// A new run on `device` with the given level or config. Checks the config the way
     /// Apex does (see [`AmpConfig::resolve`]).
     pub fn new(config: impl Into<AmpConfig>, device: &Device) -> Result<Self> {
-        let props = config.into().resolve()?;
+        let config = config.into();
+        let props = config.resolve()?;
         let store = ParamStore::new(props.store_policy(), props.seed, device);
         Ok(Self {
-            run: Arc::new(RunState::new(props, store)),
+            run: Arc::new(RunState::new(props, store).with_device_path(config.forces_device_path())),
         })
     }
 
@@ -358,6 +359,47 @@ impl Amp {
     /// The resolved properties.
     pub fn properties(&self) -> &Properties {
         &self.run.props
+    }
+
+    /// Whether this run takes the device path: master gradients, optimizer state and
+    /// overflow flags kept on the parameters' device as tensors, the overflow verdict read on
+    /// the host once per optimizer step. Always off the CPU; on the CPU when forced
+    /// ([`AmpConfig::device_path`], `CANDLE_AMP_FORCE_DEVICE_PATH=1`).
+    pub fn device_path(&self) -> bool {
+        self.run.device_path()
+    }
+
+    /// How many times this run's step path has read device values on the host (each a
+    /// synchronisation with the device's queue), counted on the device path only: one per
+    /// optimizer step (the step's overflow flags), plus one for each
+    /// [`AmpOptimizer::clip_grad_norm`] (its returned norm), [`AmpOptimizer::found_inf`]
+    /// before the step, a step reducer's output check, and a backward under a
+    /// [`crate::GradReducer`] (which needs the flag at once). The CPU path reads nothing
+    /// from a device, so it counts 0.
+    ///
+    /// ```
+    /// use candle_amp as amp;
+    /// # fn main() -> anyhow::Result<()> {
+    /// let config = amp::AmpConfig::new(amp::OptLevel::O2).device_path(true).verbosity(0);
+    /// let (model, mut opt, amp) = amp::initialize_on(
+    ///     |vb| amp::nn::linear(2, 1, vb.pp("fc")),
+    ///     amp::optim::Sgd::new(amp::optim::SgdConfig::new(0.1))?,
+    ///     config,
+    ///     &candle_core::Device::Cpu,
+    /// )?;
+    /// let x = candle_core::Tensor::ones((3, 2), candle_core::DType::F32, &candle_core::Device::Cpu)?;
+    /// for _ in 0..3 {
+    ///     let loss = amp::ops::mse(&model.forward(&x)?, &x.narrow(1, 0, 1)?)?;
+    ///     amp.scale_loss(&loss, &mut opt)?.backward()?;
+    ///     opt.step()?;
+    ///     opt.zero_grad();
+    /// }
+    /// assert!(amp.device_path());
+    /// assert_eq!(amp.host_syncs(), 3); // one per step
+    /// # Ok(()) }
+    /// ```
+    pub fn host_syncs(&self) -> u64 {
+        self.run.host_syncs()
     }
 
     /// The parameter store.

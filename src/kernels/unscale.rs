@@ -59,14 +59,22 @@ pub(crate) fn unscale_check(raw: &Tensor, scale: f32, check: bool) -> Result<(Te
         return Ok((Tensor::from_vec(out, raw.shape(), raw.device())?, check && bad));
     }
     // Other devices (and the plain path): the same arithmetic with tensor ops.
+    let v = unscale_tensor(&raw, scale)?;
+    let bad = check && (nonfinite(&raw)? || nonfinite(&v)?);
+    Ok((v, bad))
+}
+
+/// The unscaled f32 gradient with tensor ops on the gradient's device, unchecked and
+/// detached: the arithmetic of [`unscale_check`] without any host read (the device path
+/// checks the result on the device; an inf or NaN in `raw` stays inf or NaN).
+pub(crate) fn unscale_tensor(raw: &Tensor, scale: f32) -> Result<Tensor> {
+    let raw = raw.detach();
     let g = raw.to_dtype(DType::F32)?;
-    let v = match u {
+    Ok(match Unscale::new(scale) {
         Unscale::Identity => g,
         Unscale::Mul(inv) => g.affine(inv as f64, 0.0)?,
         Unscale::Div(s) => (raw.to_dtype(DType::F64)? / s)?.to_dtype(DType::F32)?,
-    };
-    let bad = check && (nonfinite(&raw)? || nonfinite(&v)?);
-    Ok((v, bad))
+    })
 }
 
 struct UnscaleInto {

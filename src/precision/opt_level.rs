@@ -252,6 +252,14 @@ pub struct AmpConfig {
     /// Pretrained safetensors (f32, f16 or bf16) that [`crate::initialize`] loads after
     /// building the model.
     pub pretrained: Option<(std::path::PathBuf, LoadMode)>,
+    /// Whether the CPU takes the device path (`None`: as the environment variable
+    /// `CANDLE_AMP_FORCE_DEVICE_PATH` says, `1` or `true` forcing it). Off the CPU the device
+    /// path is always taken: master gradients, optimizer state and overflow flags stay on
+    /// the device as candle tensors, and the host reads one small vector of flags per
+    /// optimizer step ([`crate::Amp::host_syncs`] counts the reads). Forcing it on the CPU
+    /// runs those same tensor ops there instead of the fused CPU kernels, so a machine
+    /// without a GPU tests what a GPU runs (slower: it is a test switch).
+    pub device_path: Option<bool>,
 }
 
 impl From<OptLevel> for AmpConfig {
@@ -298,7 +306,25 @@ impl AmpConfig {
             seed: 0,
             max_consecutive_skips: 100,
             pretrained: None,
+            device_path: None,
         }
+    }
+
+    /// Forces the device path on the CPU (`true`) or keeps the CPU's fused kernels
+    /// (`false`) whatever `CANDLE_AMP_FORCE_DEVICE_PATH` says; see
+    /// [`device_path`](Self::device_path).
+    pub fn device_path(mut self, forced: bool) -> Self {
+        self.device_path = Some(forced);
+        self
+    }
+
+    /// Whether the CPU takes the device path: [`device_path`](Self::device_path) if set,
+    /// else `CANDLE_AMP_FORCE_DEVICE_PATH` (`1` or `true`).
+    pub fn forces_device_path(&self) -> bool {
+        self.device_path.unwrap_or_else(|| {
+            std::env::var("CANDLE_AMP_FORCE_DEVICE_PATH")
+                .is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes"))
+        })
     }
 
     /// Starts from pretrained weights (see [`crate::Amp::load_weights`]).

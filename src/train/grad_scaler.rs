@@ -156,7 +156,15 @@ impl GradScaler {
                 own.insert(&v, g.clone());
             }
         }
-        run_stages(&run, own, &mut [opt], Round::External, scale, false, self.enabled)
+        run_stages(
+            &run,
+            own,
+            &mut [opt],
+            Round::External,
+            scale,
+            (false, None),
+            self.enabled,
+        )
     }
 
     /// Refuses `call` on an optimizer already unscaled or stepped since the last `update`.

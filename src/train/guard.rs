@@ -39,6 +39,12 @@ pub struct BackwardReport {
     /// At O1: how many ops ran in half precision in this `scale_loss` block (`None` at the
     /// other levels and on the `GradScaler` path).
     pub autocast_ops: Option<usize>,
+    /// Whether the overflow check stayed on the device (the device path,
+    /// [`crate::Amp::device_path`]): `found_inf` and `nonfinite` then say only what was
+    /// known on the host without reading the device (normally nothing), and the step's
+    /// outcome (or [`AmpOptimizer::found_inf`], which reads the flags) gives the verdict, as
+    /// PyTorch's `GradScaler` knows it only at `step`.
+    pub deferred: bool,
     /// Things the user should know, once per run: in the run's first backward, the trained
     /// parameters (trainable, not frozen) that received no gradient, by name; at O1, a block
     /// in which no op autocast (the model is built from `candle_nn` layers and raw tensor
@@ -85,6 +91,8 @@ pub struct ScaleLoss<'a> {
     scaled: Tensor,
     scale: f32,
     loss_nonfinite: bool,
+    /// The device path's flag of the loss (read at the step).
+    loss_flag: Option<Tensor>,
 }
 
 impl std::fmt::Debug for ScaleLoss<'_> {
@@ -124,7 +132,12 @@ impl<'a> ScaleLoss<'a> {
         let scale = run.loss_scale(loss_id)?;
         // Scale in f32: an f16 loss times 65536 would already be inf.
         let loss32 = loss.to_dtype(DType::F32)?;
-        let loss_nonfinite = run.props.enabled && nonfinite(&loss32)?;
+        // On the device path the loss is checked on the device, read with the step's flags.
+        let (loss_nonfinite, loss_flag) = match (run.props.enabled, run.device_path()) {
+            (false, _) => (false, None),
+            (true, false) => (nonfinite(&loss32)?, None),
+            (true, true) => (false, Some(crate::train::optim::device_flag(&loss32)?)),
+        };
         let scaled = loss32.affine(scale as f64, 0.0)?;
         Ok(Self {
             run,
@@ -133,6 +146,7 @@ impl<'a> ScaleLoss<'a> {
             scaled,
             scale,
             loss_nonfinite,
+            loss_flag,
         })
     }
 
@@ -167,6 +181,7 @@ impl<'a> ScaleLoss<'a> {
             loss_id,
             scale,
             loss_nonfinite,
+            loss_flag,
             ..
         } = self;
         let check = run.props.enabled;
@@ -176,7 +191,7 @@ impl<'a> ScaleLoss<'a> {
             &mut optimizers,
             Round::Loss(loss_id),
             scale,
-            loss_nonfinite,
+            (loss_nonfinite, loss_flag),
             check,
         );
         // The block is over: casts not used in it are swept (those used stay cached until their
@@ -196,15 +211,18 @@ impl<'a> ScaleLoss<'a> {
 /// `GradScaler`): the run's reducer (stage 2), unscale and check every optimizer's gradients
 /// (stage 3; the overflow flag combined through the reducer), and accumulate them into the
 /// optimizers (stage 4). Everything that can refuse is checked before any optimizer changes.
+/// `loss` is the loss's check: whether it was found non-finite on the host, and on the
+/// device path its flag on the device instead.
 pub(crate) fn run_stages(
     run: &RunState,
     mut grads: GradStore,
     optimizers: &mut [&mut AmpOptimizer],
     round: Round,
     scale: f32,
-    loss_nonfinite: bool,
+    loss: (bool, Option<Tensor>),
     check: bool,
 ) -> Result<BackwardReport> {
+    let (loss_nonfinite, loss_flag) = loss;
     for o in optimizers.iter() {
         o.check_can_backward("backward")?;
     }
@@ -227,25 +245,39 @@ pub(crate) fn run_stages(
         nonfinite.push("<loss>".to_string());
     }
     let mut per_opt = Vec::with_capacity(owned.len());
+    let mut deferred = false;
     for (opt, params) in optimizers.iter_mut().zip(&owned) {
         let u = opt.unscale_into(&grads, params, scale, check)?;
         found_inf |= u.found_inf;
         nonfinite.extend(u.nonfinite.iter().cloned());
-        per_opt.push(u.grads);
+        deferred |= u.device_flag.is_some();
+        per_opt.push((u.grads, u.device_flag));
     }
+    let mut loss_flag = loss_flag;
     if let Some(r) = &reducer {
+        if deferred || loss_flag.is_some() {
+            // The reducer combines the verdict across processes now: read this backward's
+            // flags (one host read; the applied sums are still checked at the step).
+            let mut flags: Vec<Tensor> = per_opt.iter_mut().filter_map(|(_, f)| f.take()).collect();
+            flags.extend(loss_flag.take());
+            found_inf |= crate::train::optim::read_device_flags(run, &flags)?
+                .into_iter()
+                .any(|b| b);
+        }
         found_inf = r.reduce_found_inf(found_inf)?;
     }
     nonfinite.sort();
     nonfinite.dedup();
-    for (opt, g) in optimizers.iter_mut().zip(per_opt) {
-        opt.accumulate(round, g, found_inf, nonfinite.clone())?;
+    for (opt, (g, flag)) in optimizers.iter_mut().zip(per_opt) {
+        let flags = deferred.then(|| (flag, loss_flag.clone()));
+        opt.accumulate(round, g, found_inf, nonfinite.clone(), flags)?;
     }
     Ok(BackwardReport {
         found_inf,
         nonfinite,
         loss_scale: scale,
         autocast_ops: None,
+        deferred,
         warnings,
     })
 }
@@ -290,4 +322,7 @@ pub(crate) struct Unscaled {
     pub found_inf: bool,
     /// Which.
     pub nonfinite: Vec<String>,
+    /// On the device path: the sum of the unscaled gradients' flags, on the device (see
+    /// `AmpOptimizer`'s `device` module); `found_inf` is then false.
+    pub device_flag: Option<Tensor>,
 }

@@ -39,6 +39,10 @@ pub(crate) struct RunState {
     recomputed: Mutex<GradStore>,
     /// Whether the first backward's check for trained parameters without a gradient ran.
     unused_checked: std::sync::atomic::AtomicBool,
+    /// Whether the CPU takes the device path too (`AmpConfig::device_path`).
+    force_device_path: bool,
+    /// Host reads of device values on the step path (the device path's synchronisations).
+    host_syncs: std::sync::atomic::AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -63,7 +67,31 @@ impl RunState {
             casts,
             recomputed: Mutex::new(GradStore::default()),
             unused_checked: std::sync::atomic::AtomicBool::new(false),
+            force_device_path: false,
+            host_syncs: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+
+    /// The run with the device path forced on the CPU too (or not).
+    pub(crate) fn with_device_path(mut self, forced: bool) -> Self {
+        self.force_device_path = forced;
+        self
+    }
+
+    /// Whether gradients, optimizer state and overflow flags stay on the device, read on
+    /// the host once per step: always off the CPU, on the CPU when forced.
+    pub(crate) fn device_path(&self) -> bool {
+        self.force_device_path || !self.store.device().is_cpu()
+    }
+
+    /// Counts one host read of device values on the step path.
+    pub(crate) fn count_host_sync(&self) {
+        self.host_syncs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Host reads of device values on the step path so far.
+    pub(crate) fn host_syncs(&self) -> u64 {
+        self.host_syncs.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// True the first time it is called in this run, false after: the first backward

@@ -120,8 +120,10 @@ impl Optimizer for AdamW {
         let g = p.grad;
         let dev = theta.device().clone();
         let st = self.slots(p);
-        let m = Tensor::from_slice(&st.bufs[0].1, st.shape.as_slice(), &dev)?;
-        let v = Tensor::from_slice(&st.bufs[1].1, st.shape.as_slice(), &dev)?;
+        // The moments stay on the parameter's device between steps.
+        let shape = st.shape.clone();
+        let m = st.bufs[0].1.tensor(&shape, &dev)?;
+        let v = st.bufs[1].1.tensor(&shape, &dev)?;
         let t = (st.step + 1) as f64;
         let (lr, wd) = (p.hyper.lr, p.hyper.weight_decay);
         let next_m = ((&m * c.beta1)? + (g * (1.0 - c.beta1))?)?;
@@ -133,12 +135,12 @@ impl Optimizer for AdamW {
         let next_theta = (next_theta - (adjusted * lr)?)?;
         // The state is written only after every value above exists.
         let (nm, nv) = (
-            next_m.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?,
-            next_v.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?,
+            next_m.to_dtype(DType::F32)?.detach(),
+            next_v.to_dtype(DType::F32)?.detach(),
         );
         let st = self.slots(p);
-        st.bufs[0].1 = nm;
-        st.bufs[1].1 = nv;
+        st.bufs[0].1 = fused::Buf::Device(nm);
+        st.bufs[1].1 = fused::Buf::Device(nv);
         st.step += 1;
         Ok(next_theta.detach())
     }
@@ -161,7 +163,7 @@ impl Optimizer for AdamW {
             let st = self.slots(p);
             st.step = step;
             let (m, rest) = st.bufs.split_at_mut(1);
-            let (m, v) = (&mut m[0].1[..], &mut rest[0].1[..]);
+            let (m, v) = (&mut m[0].1.host_mut()?[..], &mut rest[0].1.host_mut()?[..]);
             fused::apply(p, move |t, g| match t {
                 Target::F32(pv) => adamw_param::<half::f16>(ParamSlice::F32(pv, None), g, m, v, &c),
                 Target::F16(pv) => adamw_param(ParamSlice::Half(pv), g, m, v, &c),
@@ -183,7 +185,7 @@ impl Optimizer for AdamW {
     }
 
     fn buffers(&self) -> Result<Vec<ParamBuffers<'_>>> {
-        Ok(super::slot_buffers(&self.state))
+        super::slot_buffers(&self.state)
     }
 
     fn check_state(&self, state: &OptimizerState) -> Result<()> {

@@ -70,21 +70,23 @@ fn contiguous_cpu(t: &Tensor) -> bool {
 /// Whether every parameter can take the fused CPU path: f32 gradients, and an f32 Var (or a
 /// half working Var at O3), all contiguous on the CPU.
 pub(crate) fn fusable(params: &[ParamUpdate<'_>]) -> bool {
-    params.iter().all(|p| {
-        let grad_ok = contiguous_cpu(p.grad) && p.grad.dtype() == DType::F32 && p.grad.dims() == p.var.dims();
-        let target_ok = if p.persistent {
-            contiguous_cpu(p.var) && p.var.dtype() == DType::F32
-        } else {
-            p.working
-                .is_some_and(|w| contiguous_cpu(w) && matches!(w.dtype(), DType::F16 | DType::BF16))
-        };
-        let working_ok = p.working.is_none_or(|w| {
-            contiguous_cpu(w)
-                && w.elem_count() == p.var.elem_count()
-                && matches!(w.dtype(), DType::F16 | DType::BF16 | DType::F32)
-        });
-        grad_ok && target_ok && working_ok
-    })
+    // Under `kernels::plain` (and the forced device path) the tensor-op path runs.
+    crate::kernels::enabled()
+        && params.iter().all(|p| {
+            let grad_ok = contiguous_cpu(p.grad) && p.grad.dtype() == DType::F32 && p.grad.dims() == p.var.dims();
+            let target_ok = if p.persistent {
+                contiguous_cpu(p.var) && p.var.dtype() == DType::F32
+            } else {
+                p.working
+                    .is_some_and(|w| contiguous_cpu(w) && matches!(w.dtype(), DType::F16 | DType::BF16))
+            };
+            let working_ok = p.working.is_none_or(|w| {
+                contiguous_cpu(w)
+                    && w.elem_count() == p.var.elem_count()
+                    && matches!(w.dtype(), DType::F16 | DType::BF16 | DType::F32)
+            });
+            grad_ok && target_ok && working_ok
+        })
 }
 
 /// Runs `kernel` over one parameter in place (checked by [`fusable`]), then writes the half
@@ -125,6 +127,56 @@ pub(crate) fn invalidate_all_of(params: &[ParamUpdate<'_>]) {
     }
 }
 
+/// One optimizer buffer: f32 values on the host (what the fused CPU passes write in place),
+/// or a tensor on the parameter's device (the tensor-op path, which replaces it each step:
+/// no host round trip off the CPU). Each converts to the other the first time the other
+/// path needs it.
+#[derive(Debug, Clone)]
+pub(crate) enum Buf {
+    /// Host values, row-major.
+    Host(Vec<f32>),
+    /// A detached f32 tensor of the parameter's shape.
+    Device(Tensor),
+}
+
+impl Buf {
+    /// The host values, read from the device first if they are there.
+    pub(crate) fn host_mut(&mut self) -> Result<&mut Vec<f32>> {
+        if let Buf::Device(t) = self {
+            *self = Buf::Host(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+        }
+        match self {
+            Buf::Host(v) => Ok(v),
+            Buf::Device(_) => unreachable!("converted above"),
+        }
+    }
+
+    /// The values as a tensor of `shape` on `dev` (uploaded the first time).
+    pub(crate) fn tensor(&mut self, shape: &[usize], dev: &candle_core::Device) -> Result<Tensor> {
+        match self {
+            Buf::Device(t) if t.device().same_device(dev) => Ok(t.clone()),
+            Buf::Device(t) => {
+                let t = t.to_device(dev)?;
+                *self = Buf::Device(t.clone());
+                Ok(t)
+            }
+            Buf::Host(v) => {
+                let t = Tensor::from_slice(v, shape, dev)?;
+                *self = Buf::Device(t.clone());
+                Ok(t)
+            }
+        }
+    }
+
+    /// The values, borrowed from the host or copied from the device.
+    pub(crate) fn values(&self) -> Result<std::borrow::Cow<'_, [f32]>> {
+        Ok(match self {
+            Buf::Host(v) => std::borrow::Cow::Borrowed(&v[..]),
+            Buf::Device(t) => std::borrow::Cow::Owned(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?),
+        })
+    }
+}
+
 /// One parameter's state in buffers the optimizer owns.
 #[derive(Debug, Clone)]
 pub(crate) struct Slots {
@@ -133,7 +185,7 @@ pub(crate) struct Slots {
     /// The parameter's shape.
     pub shape: Vec<usize>,
     /// The named f32 buffers, each with the parameter's element count.
-    pub bufs: Vec<(&'static str, Vec<f32>)>,
+    pub bufs: Vec<(&'static str, Buf)>,
 }
 
 impl Slots {
@@ -143,18 +195,20 @@ impl Slots {
         Self {
             step: 0,
             shape: shape.to_vec(),
-            bufs: names.iter().map(|k| (*k, vec![0f32; n])).collect(),
+            bufs: names.iter().map(|k| (*k, Buf::Host(vec![0f32; n]))).collect(),
         }
     }
 
-    /// The buffers as tensors (copies: a snapshot).
+    /// The buffers as tensors: copies of host values, the device tensors themselves (the
+    /// tensor path replaces rather than writes them, so sharing is a snapshot too).
     pub(crate) fn to_state(&self) -> Result<super::ParamState> {
         let mut buffers = std::collections::BTreeMap::new();
-        for (k, v) in &self.bufs {
-            buffers.insert(
-                k.to_string(),
-                Tensor::from_slice(v, self.shape.as_slice(), &candle_core::Device::Cpu)?,
-            );
+        for (k, b) in &self.bufs {
+            let t = match b {
+                Buf::Host(v) => Tensor::from_slice(v, self.shape.as_slice(), &candle_core::Device::Cpu)?,
+                Buf::Device(t) => t.clone(),
+            };
+            buffers.insert(k.to_string(), t);
         }
         Ok(super::ParamState {
             step: self.step,
@@ -162,7 +216,8 @@ impl Slots {
         })
     }
 
-    /// Buffers from saved tensors (`names` required, each of the same shape).
+    /// Buffers from saved tensors (`names` required, each of the same shape): host values
+    /// for tensors on the CPU, kept on their device otherwise.
     pub(crate) fn from_state(ps: &super::ParamState, names: &[&'static str], param: &str) -> Result<Self> {
         let mut bufs = Vec::new();
         let mut shape = None;
@@ -172,7 +227,12 @@ impl Slots {
                 .get(*k)
                 .ok_or_else(|| crate::AmpError::OptimizerState(format!("parameter `{param}` has no `{k}` buffer")))?;
             shape = Some(t.dims().to_vec());
-            bufs.push((*k, t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?));
+            let b = if t.device().is_cpu() {
+                Buf::Host(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+            } else {
+                Buf::Device(t.to_dtype(DType::F32)?.detach())
+            };
+            bufs.push((*k, b));
         }
         Ok(Self {
             step: ps.step,

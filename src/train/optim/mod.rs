@@ -16,6 +16,7 @@ mod state;
 pub use adamw::{AdamW, AdamWConfig};
 pub(crate) use amp_optimizer::Round;
 pub use amp_optimizer::{AmpOptimizer, AmpOptimizerState, ParamGroup, StepOutcome};
+pub(crate) use amp_optimizer::{device_flag, read_device_flags};
 pub use candle_adapter::CandleOptimizer;
 pub use sgd::{Sgd, SgdConfig};
 pub(crate) use state::same_values;
@@ -42,19 +43,22 @@ pub struct ParamBuffers<'a> {
     pub buffers: Vec<(String, Cow<'a, [f32]>)>,
 }
 
-/// The buffers of owned per-parameter slots, borrowed.
-pub(crate) fn slot_buffers(state: &BTreeMap<String, fused::Slots>) -> Vec<ParamBuffers<'_>> {
+/// The buffers of owned per-parameter slots, borrowed where they are on the host (copied
+/// from the device otherwise).
+pub(crate) fn slot_buffers(state: &BTreeMap<String, fused::Slots>) -> Result<Vec<ParamBuffers<'_>>> {
     state
         .iter()
-        .map(|(param, st)| ParamBuffers {
-            param: param.clone(),
-            step: st.step,
-            shape: st.shape.clone(),
-            buffers: st
-                .bufs
-                .iter()
-                .map(|(k, v)| (k.to_string(), Cow::Borrowed(&v[..])))
-                .collect(),
+        .map(|(param, st)| {
+            Ok(ParamBuffers {
+                param: param.clone(),
+                step: st.step,
+                shape: st.shape.clone(),
+                buffers: st
+                    .bufs
+                    .iter()
+                    .map(|(k, v)| Ok((k.to_string(), v.values()?)))
+                    .collect::<Result<_>>()?,
+            })
         })
         .collect()
 }

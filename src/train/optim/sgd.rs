@@ -86,7 +86,7 @@ impl Sgd {
         let first = st.bufs.is_empty();
         if momentum && first {
             st.shape = p.var.dims().to_vec();
-            st.bufs.push((BUF[0], vec![0f32; p.var.elem_count()]));
+            st.bufs.push((BUF[0], fused::Buf::Host(vec![0f32; p.var.elem_count()])));
         }
         (st, first)
     }
@@ -131,7 +131,9 @@ impl Optimizer for Sgd {
             let buf = if first {
                 d.clone()
             } else {
-                let b = Tensor::from_slice(&st.bufs[0].1, st.shape.as_slice(), &dev)?;
+                // The momentum stays on the parameter's device between steps.
+                let shape = st.shape.clone();
+                let b = st.bufs[0].1.tensor(&shape, &dev)?;
                 ((b * c.momentum)? + (&d * (1.0 - c.dampening))?)?
             };
             d = if c.nesterov {
@@ -139,13 +141,13 @@ impl Optimizer for Sgd {
             } else {
                 buf.clone()
             };
-            new_buf = Some(buf.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+            new_buf = Some(buf.to_dtype(DType::F32)?.detach());
         }
         let next = param.sub(&(d * p.hyper.lr)?)?.detach();
         // The state is written only after every value above exists.
         let (st, _) = self.slots(p);
         if let Some(b) = new_buf {
-            st.bufs[0].1 = b;
+            st.bufs[0].1 = fused::Buf::Device(b);
         }
         st.step += 1;
         Ok(next)
@@ -168,7 +170,10 @@ impl Optimizer for Sgd {
             let c = self.consts(hyper, first);
             let (st, _) = self.slots(p);
             st.step += 1;
-            let buf = st.bufs.first_mut().map(|(_, b)| &mut b[..]);
+            let buf = match st.bufs.first_mut() {
+                Some((_, b)) => Some(&mut b.host_mut()?[..]),
+                None => None,
+            };
             fused::apply(p, move |t, g| match t {
                 Target::F32(pv) => sgd_param::<half::f16>(ParamSlice::F32(pv, None), g, buf, &c),
                 Target::F16(pv) => sgd_param(ParamSlice::Half(pv), g, buf, &c),
@@ -190,7 +195,7 @@ impl Optimizer for Sgd {
     }
 
     fn buffers(&self) -> Result<Vec<ParamBuffers<'_>>> {
-        Ok(super::slot_buffers(&self.state))
+        super::slot_buffers(&self.state)
     }
 
     fn load_state_dict(&mut self, state: &OptimizerState) -> Result<()> {

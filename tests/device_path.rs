@@ -1,0 +1,316 @@
+//! The device path (what a GPU runs: master gradients, optimizer state and overflow flags as
+//! tensors on the parameters' device, the verdict read on the host once per step), forced on
+//! the CPU, against the CPU path's fused kernels: the same weights up to f32 rounding, the
+//! same skipped steps and loss-scale trajectory, and at most one host read per step.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use candle_amp::optim::{AdamW, AdamWConfig, Sgd, SgdConfig};
+use candle_amp::{self as amp, AmpConfig, DynamicParams, GradScaler, HalfType, LossScaleSpec, OptLevel, StepOutcome};
+use candle_core::{DType, Device, Tensor};
+use common::{AmpTwoLinear, batches, f32_bits, max_rel_diff, store_values};
+
+#[derive(Clone, Copy, Debug)]
+enum Algo {
+    SgdMomentum,
+    AdamW,
+}
+
+fn optimizer(amp: &amp::Amp, a: Algo) -> amp::AmpOptimizer {
+    match a {
+        Algo::SgdMomentum => amp.optimizer(
+            Sgd::new(SgdConfig {
+                momentum: 0.9,
+                weight_decay: 0.01,
+                ..SgdConfig::new(0.05)
+            })
+            .unwrap(),
+        ),
+        Algo::AdamW => amp.optimizer(
+            AdamW::new(AdamWConfig {
+                lr: 1e-2,
+                ..Default::default()
+            })
+            .unwrap(),
+        ),
+    }
+    .unwrap()
+}
+
+/// How a run clips its gradients.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Clip {
+    None,
+    /// `clip_grad_norm` (returns the norm: a host read on the device path).
+    Read(f64),
+    /// `clip_grad_norm_tensor` (no read).
+    Tensor(f64),
+}
+
+/// What a run did: per step the outcome (skipped, scale after) and the nonfinite names, the
+/// clip norms, the final f32 weights, the optimizer state and the host reads.
+#[derive(Debug)]
+struct Trace {
+    outcomes: Vec<(bool, f32, Vec<String>)>,
+    norms: Vec<f32>,
+    weights: BTreeMap<String, Vec<f32>>,
+    state: BTreeMap<String, Vec<f32>>,
+    deferred: Vec<bool>,
+    host_syncs: u64,
+    steps: usize,
+}
+
+/// `steps` optimizer steps of two micro-batches each on the two-linear model, starting from a
+/// scale (2^24) at which half gradients overflow, so the first steps skip; the loss of step
+/// `nan_step` is NaN.
+fn train(level: OptLevel, half: HalfType, a: Algo, device_path: bool, clip: Clip, nan_step: Option<usize>) -> Trace {
+    let config = AmpConfig::new(level)
+        .half(half)
+        .verbosity(0)
+        .device_path(device_path)
+        .loss_scale(LossScaleSpec::Dynamic)
+        .dynamic(DynamicParams {
+            init_scale: 16_777_216.0,
+            growth_interval: 3,
+            ..Default::default()
+        });
+    let amp = amp::Amp::new(config, &Device::Cpu).unwrap();
+    let model = amp.model(AmpTwoLinear::new).unwrap();
+    let mut opt = optimizer(&amp, a);
+    assert_eq!(amp.device_path(), device_path);
+    let data = batches(24, 7);
+    let steps = 12;
+    let mut t = Trace {
+        outcomes: Vec::new(),
+        norms: Vec::new(),
+        weights: BTreeMap::new(),
+        state: BTreeMap::new(),
+        deferred: Vec::new(),
+        host_syncs: 0,
+        steps,
+    };
+    for s in 0..steps {
+        for m in 0..2 {
+            let (x, y) = &data[2 * s + m];
+            let out = model.forward(x).unwrap().to_dtype(DType::F32).unwrap();
+            let mut loss = (candle_nn::loss::mse(&out, y).unwrap() / 2.0).unwrap();
+            if nan_step == Some(s) && m == 1 {
+                loss = (loss * f64::NAN).unwrap();
+            }
+            let report = amp.scale_loss(&loss, &mut opt).unwrap().backward().unwrap();
+            t.deferred.push(report.deferred);
+        }
+        match clip {
+            Clip::None => {}
+            Clip::Read(c) => t.norms.push(opt.clip_grad_norm(c).unwrap()),
+            Clip::Tensor(c) => t
+                .norms
+                .push(opt.clip_grad_norm_tensor(c).unwrap().to_scalar::<f32>().unwrap()),
+        }
+        let before = f32_bits(amp.store());
+        let outcome = opt.step().unwrap();
+        if outcome.is_skipped() {
+            assert_eq!(
+                f32_bits(amp.store()),
+                before,
+                "a skipped step leaves the weights bit-identical"
+            );
+        }
+        let names = match &outcome {
+            StepOutcome::Skipped { nonfinite, .. } => nonfinite.clone(),
+            StepOutcome::Stepped { .. } => Vec::new(),
+        };
+        t.outcomes.push((outcome.is_skipped(), outcome.loss_scale(), names));
+        opt.zero_grad();
+    }
+    // Reading the norms back above is the test's, not the step path's: only the library's
+    // reads are counted.
+    t.host_syncs = amp.host_syncs();
+    t.weights = store_values(amp.store());
+    for (name, ps) in opt.state_dict().unwrap().algorithm.params {
+        for (k, b) in ps.buffers {
+            t.state.insert(
+                format!("{name}.{k}"),
+                b.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            );
+        }
+    }
+    t
+}
+
+#[test]
+fn device_path_equals_the_cpu_path_at_every_level() {
+    for level in [OptLevel::O0, OptLevel::O1, OptLevel::O2, OptLevel::O3] {
+        for half in [HalfType::F16, HalfType::Bf16] {
+            for a in [Algo::SgdMomentum, Algo::AdamW] {
+                let what = format!("{level:?} {half:?} {a:?}");
+                let cpu = train(level, half, a, false, Clip::None, Some(7));
+                let dev = train(level, half, a, true, Clip::None, Some(7));
+                assert_eq!(
+                    dev.outcomes, cpu.outcomes,
+                    "{what}: the same steps skip, the same scales"
+                );
+                assert!(
+                    cpu.outcomes[7].0 && cpu.outcomes[7].2.contains(&"<loss>".to_string()),
+                    "{what}: {:?}",
+                    cpu.outcomes[7]
+                );
+                assert!(
+                    cpu.outcomes.iter().filter(|o| !o.0).count() >= 4,
+                    "{what}: {:?}",
+                    cpu.outcomes
+                );
+                if matches!(level, OptLevel::O2 | OptLevel::O3) && half == HalfType::F16 {
+                    assert!(cpu.outcomes[0].0, "{what}: half gradients overflow at 2^24");
+                }
+                let dw = max_rel_diff(&dev.weights, &cpu.weights, 1e-3);
+                assert!(dw <= 1e-5, "{what}: weights differ by {dw}");
+                let ds = max_rel_diff(&dev.state, &cpu.state, 1e-3);
+                assert!(ds <= 1e-4, "{what}: optimizer state differs by {ds}");
+                assert_eq!(cpu.host_syncs, 0, "{what}: the CPU path reads no device");
+                assert_eq!(dev.host_syncs, dev.steps as u64, "{what}: one host read per step");
+                assert!(
+                    dev.deferred.iter().all(|&d| d) && !cpu.deferred.iter().any(|&d| d),
+                    "{what}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn device_path_clips_as_the_cpu_path() {
+    for (clip, extra) in [(Clip::Read(0.05), 1), (Clip::Tensor(0.05), 0)] {
+        let cpu = train(OptLevel::O2, HalfType::F16, Algo::AdamW, false, clip, None);
+        let dev = train(OptLevel::O2, HalfType::F16, Algo::AdamW, true, clip, None);
+        assert_eq!(dev.outcomes, cpu.outcomes, "{clip:?}");
+        assert_eq!(dev.norms.len(), cpu.norms.len());
+        for (d, c) in dev.norms.iter().zip(&cpu.norms) {
+            assert!(
+                (d == c) || (d.is_nan() && c.is_nan()) || (d - c).abs() <= 1e-6 * c.abs(),
+                "{clip:?}: norm {d} vs {c}"
+            );
+        }
+        // The clip did clip (a norm above 0.05 on a clean step).
+        assert!(
+            cpu.norms.iter().zip(&cpu.outcomes).any(|(n, o)| !o.0 && *n > 0.05),
+            "{:?}",
+            cpu.norms
+        );
+        let dw = max_rel_diff(&dev.weights, &cpu.weights, 1e-3);
+        assert!(dw <= 1e-5, "{clip:?}: weights differ by {dw}");
+        assert_eq!(dev.host_syncs, (1 + extra) * dev.steps as u64, "{clip:?}");
+    }
+}
+
+/// A one-parameter O0 run on the device path (`w` = 1, SGD with a tiny learning rate).
+fn one_param(device_path: bool) -> (amp::Amp, Tensor, amp::AmpOptimizer) {
+    let config = AmpConfig::new(OptLevel::O0).verbosity(0).device_path(device_path);
+    let amp = amp::Amp::new(config, &Device::Cpu).unwrap();
+    let w = amp
+        .var_builder()
+        .get_with_hints((1,), "w", candle_nn::Init::Const(1.0))
+        .unwrap();
+    let opt = amp.optimizer(Sgd::new(SgdConfig::new(1e-38)).unwrap()).unwrap();
+    (amp, w, opt)
+}
+
+#[test]
+fn device_path_checks_the_accumulated_sum() {
+    let (amp, w, mut opt) = one_param(true);
+    let before = f32_bits(amp.store());
+    for _ in 0..2 {
+        let loss = (w.sum_all().unwrap() * 2e38).unwrap();
+        let report = amp.scale_loss(&loss, &mut opt).unwrap().backward().unwrap();
+        // Nothing read yet: the verdict comes with the step.
+        assert!(report.deferred && !report.found_inf);
+    }
+    assert_eq!(amp.host_syncs(), 0);
+    // Asking before the step reads the flags (one read), and does not consume them.
+    assert!(opt.found_inf());
+    assert_eq!(amp.host_syncs(), 1);
+    match opt.step().unwrap() {
+        StepOutcome::Skipped { nonfinite, .. } => assert_eq!(nonfinite, ["w"]),
+        other => panic!("2e38 + 2e38 overflows: the step must skip, got {other:?}"),
+    }
+    assert_eq!(amp.host_syncs(), 2);
+    assert_eq!(f32_bits(amp.store()), before);
+    assert_eq!((opt.steps(), opt.skipped_steps()), (0, 1));
+    opt.zero_grad();
+    // A finite step afterwards applies.
+    let loss = (w.sum_all().unwrap() * 1e38).unwrap();
+    amp.scale_loss(&loss, &mut opt).unwrap().backward().unwrap();
+    assert_eq!(opt.step().unwrap(), StepOutcome::Stepped { loss_scale: 1.0 });
+    let w1 = common::flat(&amp.store().param("w").unwrap().f32_value().unwrap())[0];
+    assert!((w1 - 0.0).abs() < 1e-6, "1 - 1e-38 * 1e38 = 0, got {w1}");
+    assert_eq!(amp.host_syncs(), 3);
+}
+
+#[test]
+fn grad_scaler_on_the_device_path_equals_the_cpu_path() {
+    let run = |device_path: bool| {
+        let config = AmpConfig::new(OptLevel::O1).verbosity(0).device_path(device_path);
+        let amp = amp::Amp::new(config, &Device::Cpu).unwrap();
+        let model = amp.model(AmpTwoLinear::new).unwrap();
+        let mut opt = amp.optimizer(Sgd::new(SgdConfig::new(0.05)).unwrap()).unwrap();
+        let mut scaler = GradScaler::new();
+        let mut outcomes = Vec::new();
+        for (i, (x, y)) in batches(8, 3).iter().enumerate() {
+            let out = model.forward(x).unwrap().to_dtype(DType::F32).unwrap();
+            let mut loss = candle_nn::loss::mse(&out, y).unwrap();
+            if i == 2 {
+                loss = (loss * f64::INFINITY).unwrap();
+            }
+            let grads = scaler.scale(&loss).unwrap().backward().unwrap();
+            let o = scaler.step(&mut opt, &grads).unwrap();
+            scaler.update(None).unwrap();
+            opt.zero_grad();
+            outcomes.push((o.is_skipped(), scaler.get_scale()));
+        }
+        (outcomes, store_values(amp.store()), amp.host_syncs())
+    };
+    let (co, cw, cs) = run(false);
+    let (dout, dw, ds) = run(true);
+    assert_eq!(dout, co);
+    assert!(co[2].0 && co.iter().filter(|o| o.0).count() == 1, "{co:?}");
+    assert!(max_rel_diff(&dw, &cw, 1e-3) <= 1e-5);
+    assert_eq!((cs, ds), (0, 8));
+}
+
+#[test]
+fn device_path_state_round_trips() {
+    // Optimizer state saved on the device path loads into a CPU-path optimizer and the two
+    // continue alike.
+    let cfg = |dp: bool| AmpConfig::new(OptLevel::O2).verbosity(0).device_path(dp);
+    let data = batches(6, 11);
+    let step = |amp: &amp::Amp, model: &amp::AmpModel<AmpTwoLinear>, opt: &mut amp::AmpOptimizer, i: usize| {
+        let (x, y) = &data[i];
+        let out = model.forward(x).unwrap().to_dtype(DType::F32).unwrap();
+        let loss = candle_nn::loss::mse(&out, y).unwrap();
+        amp.scale_loss(&loss, opt).unwrap().backward().unwrap();
+        opt.step().unwrap();
+        opt.zero_grad();
+    };
+    let build = |dp: bool| {
+        let amp = amp::Amp::new(cfg(dp), &Device::Cpu).unwrap();
+        let model = amp.model(AmpTwoLinear::new).unwrap();
+        let opt = amp.optimizer(AdamW::new(AdamWConfig::default()).unwrap()).unwrap();
+        (amp, model, opt)
+    };
+    let (da, dm, mut dopt) = build(true);
+    for i in 0..3 {
+        step(&da, &dm, &mut dopt, i);
+    }
+    let saved = dopt.state_dict().unwrap();
+    let (ca, cm, mut copt) = build(false);
+    ca.load_state_dict(&da.state_dict().unwrap()).unwrap();
+    copt.load_state_dict(&saved).unwrap();
+    for i in 3..6 {
+        step(&da, &dm, &mut dopt, i);
+        step(&ca, &cm, &mut copt, i);
+    }
+    let d = max_rel_diff(&store_values(da.store()), &store_values(ca.store()), 1e-3);
+    assert!(d <= 1e-5, "{d}");
+}
