@@ -314,3 +314,78 @@ fn device_path_state_round_trips() {
     let d = max_rel_diff(&store_values(da.store()), &store_values(ca.store()), 1e-3);
     assert!(d <= 1e-5, "{d}");
 }
+
+#[test]
+fn data_parallel_on_the_device_path_equals_the_host_path() {
+    use amp::dist::DataParallel;
+    // Two ranks as threads, each with its own shard; rank 1's third step overflows.
+    let run = |device_path: bool| {
+        common::on_ranks(2, std::time::Duration::from_secs(60), |c| {
+            let rank = c.rank();
+            let config = AmpConfig::new(OptLevel::O2).verbosity(0).device_path(device_path);
+            let amp = amp::Amp::new(config, &Device::Cpu).unwrap();
+            let model = amp.model(AmpTwoLinear::new).unwrap();
+            let mut opt = amp.optimizer(AdamW::new(AdamWConfig::default()).unwrap()).unwrap();
+            let _ddp = DataParallel::new(&amp, c, Default::default()).unwrap();
+            let mut outcomes = Vec::new();
+            for (s, (x, y)) in batches(12, 5).iter().enumerate().filter(|(i, _)| i % 2 == rank) {
+                let out = model.forward(x).unwrap().to_dtype(DType::F32).unwrap();
+                let mut loss = candle_nn::loss::mse(&out, y).unwrap();
+                if s == 5 {
+                    loss = (loss * 1e30).unwrap();
+                }
+                amp.scale_loss(&loss, &mut opt).unwrap().backward().unwrap();
+                let o = opt.step().unwrap();
+                outcomes.push((o.is_skipped(), o.loss_scale()));
+                opt.zero_grad();
+            }
+            (outcomes, store_values(amp.store()), amp.host_syncs())
+        })
+    };
+    let host = run(false);
+    let dev = run(true);
+    for r in 0..2 {
+        assert_eq!(dev[r].0, host[r].0, "rank {r}");
+        assert!(host[r].0[2].0, "rank {r}: the overflow on rank 1 skips both: {:?}", host[r].0);
+        assert_eq!(host[r].0.iter().filter(|o| o.0).count(), 1);
+        let d = max_rel_diff(&dev[r].1, &host[r].1, 1e-3);
+        assert!(d <= 1e-5, "rank {r}: {d}");
+        assert_eq!(host[r].2, 0);
+        // The step's flags, then the reduced layout, flags and averages' checks.
+        assert_eq!(dev[r].2, 2 * 6, "rank {r}");
+    }
+    assert_eq!(dev[0].1, dev[1].1, "the ranks hold the same weights");
+}
+
+#[test]
+fn an_overflow_in_one_optimizer_skips_every_optimizer_of_the_block() {
+    let config = AmpConfig::new(OptLevel::O2).verbosity(0).device_path(true);
+    let amp = amp::Amp::new(config, &Device::Cpu).unwrap();
+    let model = amp.model(AmpTwoLinear::new).unwrap();
+    let mut o1 = amp
+        .optimizer_for(Sgd::new(SgdConfig::new(0.1)).unwrap(), |n| n.starts_with("l1"))
+        .unwrap();
+    let mut o2 = amp
+        .optimizer_for(Sgd::new(SgdConfig::new(0.1)).unwrap(), |n| n.starts_with("l2"))
+        .unwrap();
+    let before = f32_bits(amp.store());
+    let w = amp.store().param("l2.weight").unwrap().working().clone();
+    let (x, y) = &batches(1, 2)[0];
+    let out = model.forward(x).unwrap().to_dtype(DType::F32).unwrap();
+    let loss = candle_nn::loss::mse(&out, y).unwrap();
+    amp.scale_loss_multi(&loss, 0, vec![&mut o1, &mut o2])
+        .unwrap()
+        .backward_with(|scaled| {
+            let mut g = scaled.backward()?;
+            let bad = (g.get(&w).unwrap() * f64::INFINITY)?;
+            g.insert(&w, bad);
+            Ok(g)
+        })
+        .unwrap();
+    assert!(o1.step().unwrap().is_skipped(), "l1's gradients are finite, but the block overflowed");
+    assert!(o2.step().unwrap().is_skipped());
+    assert_eq!(f32_bits(amp.store()), before);
+    // The scale backs off once, when the last optimizer of the block reports.
+    assert_eq!(amp.loss_scale(0).unwrap(), 32768.0);
+    assert_eq!(amp.host_syncs(), 2, "one read per optimizer step");
+}

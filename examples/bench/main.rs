@@ -19,7 +19,9 @@
 //! highest), `rustflags` (`RUSTFLAGS` at build time, `""` if none) with
 //! `compiled_target_features`, and `mallopt`. `mlp_param_bytes` is the MLP's f32 parameter
 //! bytes; per level and half type, `levels[L][H]` has `step_ms`, `alloc_bytes_per_step`
-//! (bytes allocated during one MLP step after the timed ones), `param_bytes` (working
+//! (bytes allocated during one MLP step after the timed ones), `host_syncs_per_step` (host
+//! reads of device values per step: 0 on the CPU path, 1 on the device path, which
+//! `CANDLE_AMP_FORCE_DEVICE_PATH=1` forces on the CPU), `device_path`, `param_bytes` (working
 //! parameters plus f32 masters), `transformer_step_ms` and `peak_mb`. `targets` holds the
 //! README's targets as `{name, ratio, rule, limit, met}`; missed ones print as `MISS`.
 //!
@@ -212,6 +214,8 @@ fn main() -> Result<()> {
                     "step_ms": mlp.ms,
                     "alloc_bytes_per_step": mlp.alloc_bytes,
                     "param_bytes": mlp.param_bytes,
+                    "host_syncs_per_step": mlp.host_syncs_per_step,
+                    "device_path": mlp.device_path,
                     "transformer_step_ms": transformer_step_ms,
                     "peak_mb": peak_mb,
                 }),

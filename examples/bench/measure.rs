@@ -155,6 +155,11 @@ pub struct MlpStep {
     pub alloc_bytes: u64,
     /// Bytes of the working parameters plus their f32 masters.
     pub param_bytes: usize,
+    /// Host reads of device values per step (the device path's synchronisations; 0 on the
+    /// CPU path, which has no device to read from).
+    pub host_syncs_per_step: f64,
+    /// Whether the run took the device path (`CANDLE_AMP_FORCE_DEVICE_PATH=1` on the CPU).
+    pub device_path: bool,
 }
 
 /// The MLP training step at a level: median time, then the allocations of one more step.
@@ -179,7 +184,11 @@ pub fn mlp_step(level: OptLevel, half: HalfType, hidden: usize, data: &[(Tensor,
         opt.zero_grad();
         Ok(())
     };
-    let s = median_s(data.len() - 1, &mut step)?;
+    let syncs0 = amp.host_syncs();
+    let timed = data.len() - 1;
+    let s = median_s(timed, &mut step)?;
+    // `median_s` runs one warm-up step before the timed ones.
+    let host_syncs_per_step = (amp.host_syncs() - syncs0) as f64 / (timed + 1) as f64;
     // Counted after the timed steps, so buffers the run keeps across steps already exist
     // and only what every step allocates afresh remains.
     let before = counting::allocated();
@@ -189,6 +198,8 @@ pub fn mlp_step(level: OptLevel, half: HalfType, hidden: usize, data: &[(Tensor,
         ms: s * 1e3,
         alloc_bytes,
         param_bytes,
+        host_syncs_per_step,
+        device_path: amp.device_path(),
     })
 }
 

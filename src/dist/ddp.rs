@@ -101,6 +101,9 @@ pub struct DataParallel {
     comm: Arc<dyn Communicator>,
     config: DataParallelConfig,
     stats: Mutex<Stats>,
+    /// The run, to take its device path and count its host reads (weak: the run holds this
+    /// reducer).
+    run: std::sync::Weak<crate::train::run::RunState>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -125,6 +128,7 @@ impl DataParallel {
             comm,
             config,
             stats: Mutex::new(Stats::default()),
+            run: Arc::downgrade(amp.run()),
         });
         ddp.check_same_model(amp)?;
         ddp.broadcast_params(amp)?;
@@ -297,6 +301,15 @@ impl StepReducer for DataParallel {
             nonfinite,
             checked,
         } = step;
+        if let Some(run) = self.run.upgrade()
+            && run.device_path()
+        {
+            let (out, calls, comm_s) = self.reduce_on_device(&run, params, grads, found_inf, nonfinite)?;
+            *checked = true;
+            *grads = out;
+            self.record(calls, comm_s);
+            return Ok(());
+        }
         let sizes: Vec<usize> = params.iter().map(|(_, d)| d.iter().product()).collect();
         let n: usize = sizes.iter().sum();
         let mut flat = Vec::with_capacity(n + params.len() + found_inf.len() + 1);
@@ -360,6 +373,13 @@ impl StepReducer for DataParallel {
         }
         *checked = true;
         *grads = out;
+        self.record(calls, comm_s);
+        Ok(())
+    }
+}
+
+impl DataParallel {
+    fn record(&self, calls: u64, comm_s: f64) {
         let mut st = lock(&self.stats);
         st.reductions += 1;
         st.collectives += calls;
@@ -367,6 +387,104 @@ impl StepReducer for DataParallel {
             st.comm_s.remove(0);
         }
         st.comm_s.push(comm_s);
-        Ok(())
     }
+
+    /// The step reduction on the device path: the same layout as the host path's flat
+    /// vector, built and summed as one f32 tensor on the gradients' device
+    /// ([`Communicator::all_reduce_sum_tensor`]: in device memory over NCCL), in buckets.
+    /// After the sum the averages are checked on the device, and the host reads the layout
+    /// check, which parameters had gradients, the overflow flags and the averages' flags in
+    /// one transfer (one synchronisation, counted in the run's host reads).
+    fn reduce_on_device(
+        &self,
+        run: &crate::train::run::RunState,
+        params: Vec<(String, Vec<usize>)>,
+        grads: &BTreeMap<String, Tensor>,
+        found_inf: &mut [bool],
+        nonfinite: &mut Vec<String>,
+    ) -> Result<(BTreeMap<String, Tensor>, u64, f64)> {
+        let dev = run.store.device().clone();
+        let world = self.comm.world_size() as f32;
+        // A true division, as the host path's (candle's `t / x` multiplies by `1 / x`).
+        let world_t = Tensor::new(world, &dev)?;
+        let mut parts = Vec::with_capacity(params.len() + 1);
+        for (name, dims) in &params {
+            let len: usize = dims.iter().product();
+            parts.push(match grads.get(name) {
+                // Divided before the sum, as on the host path.
+                Some(g) => g.flatten_all()?.to_dtype(DType::F32)?.broadcast_div(&world_t)?,
+                None => Tensor::zeros(len, DType::F32, &dev)?,
+            });
+        }
+        let mut meta: Vec<f32> = params
+            .iter()
+            .map(|(name, _)| if grads.contains_key(name) { 1.0f32 } else { 0.0 })
+            .collect();
+        meta.extend(found_inf.iter().map(|&b| if b { 1.0f32 } else { 0.0 }));
+        meta.push(params.len() as f32);
+        let m = meta.len();
+        parts.push(Tensor::from_vec(meta, m, &dev)?);
+        let flat = Tensor::cat(&parts, 0)?;
+        drop(parts);
+
+        let t0 = Instant::now();
+        let total = flat.elem_count();
+        let per = (self.config.bucket_bytes / 4).max(1);
+        let mut sums = Vec::with_capacity(total.div_ceil(per));
+        let mut at = 0;
+        while at < total {
+            let len = per.min(total - at);
+            sums.push(self.comm.all_reduce_sum_tensor(&flat.narrow(0, at, len)?)?);
+            at += len;
+        }
+        let calls = sums.len() as u64;
+        let flat = Tensor::cat(&sums, 0)?;
+        drop(sums);
+        let comm_s = t0.elapsed().as_secs_f64();
+
+        let n = total - m;
+        let mut avgs = Vec::with_capacity(params.len());
+        let mut flags = vec![flat.narrow(0, n, m)?];
+        let mut at = 0;
+        for (_, dims) in &params {
+            let len: usize = dims.iter().product();
+            let avg = flat.narrow(0, at, len)?.reshape(dims.as_slice())?;
+            flags.push(crate::train::optim::device_flag(&avg)?);
+            avgs.push(avg);
+            at += len;
+        }
+        let read = read_values(run, &flags)?;
+        let (meta, avg_bad) = read.split_at(m);
+        if meta[m - 1] != params.len() as f32 * world {
+            return Err(self.err(
+                DistErrorKind::Mismatch,
+                "the ranks stepped optimizers over different parameters (the same optimizers, over the same \
+                 parameters, must step in the same order on every rank)"
+                    .into(),
+            ));
+        }
+        let (present, flag_sums) = meta.split_at(params.len());
+        let mut out = BTreeMap::new();
+        for ((((name, _), avg), &had), &bad) in params.into_iter().zip(avgs).zip(present).zip(avg_bad) {
+            if had > 0.0 {
+                if bad.is_nan() {
+                    nonfinite.push(name.clone());
+                }
+                // Its own storage, so the step's bucket is freed.
+                out.insert(name, avg.copy()?);
+            }
+        }
+        for (f, &v) in found_inf.iter_mut().zip(flag_sums) {
+            *f = v > 0.0;
+        }
+        Ok((out, calls, comm_s))
+    }
+}
+
+/// Reads 1-d and 0-d f32 tensors in one host transfer, counted as one of `run`'s host reads.
+fn read_values(run: &crate::train::run::RunState, ts: &[Tensor]) -> Result<Vec<f32>> {
+    let flat: Vec<Tensor> = ts.iter().map(|t| t.flatten_all()).collect::<candle_core::Result<_>>()?;
+    let v = Tensor::cat(&flat, 0)?.to_vec1::<f32>()?;
+    run.count_host_sync();
+    Ok(v)
 }

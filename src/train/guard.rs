@@ -268,8 +268,17 @@ pub(crate) fn run_stages(
     }
     nonfinite.sort();
     nonfinite.dedup();
-    for (opt, (g, flag)) in optimizers.iter_mut().zip(per_opt) {
-        let flags = deferred.then(|| (flag, loss_flag.clone()));
+    // An overflow in any optimizer's gradients skips the step of all of them (as `found_inf`
+    // does on the CPU path): each defers the block's combined flag.
+    let mut block: Option<Tensor> = None;
+    for f in per_opt.iter().filter_map(|(_, f)| f.as_ref()) {
+        block = Some(match block {
+            Some(b) => (b + f)?,
+            None => f.clone(),
+        });
+    }
+    for (opt, (g, _)) in optimizers.iter_mut().zip(per_opt) {
+        let flags = deferred.then(|| (block.clone(), loss_flag.clone()));
         opt.accumulate(round, g, found_inf, nonfinite.clone(), flags)?;
     }
     Ok(BackwardReport {
