@@ -346,7 +346,11 @@ fn data_parallel_on_the_device_path_equals_the_host_path() {
     let dev = run(true);
     for r in 0..2 {
         assert_eq!(dev[r].0, host[r].0, "rank {r}");
-        assert!(host[r].0[2].0, "rank {r}: the overflow on rank 1 skips both: {:?}", host[r].0);
+        assert!(
+            host[r].0[2].0,
+            "rank {r}: the overflow on rank 1 skips both: {:?}",
+            host[r].0
+        );
         assert_eq!(host[r].0.iter().filter(|o| o.0).count(), 1);
         let d = max_rel_diff(&dev[r].1, &host[r].1, 1e-3);
         assert!(d <= 1e-5, "rank {r}: {d}");
@@ -382,7 +386,10 @@ fn an_overflow_in_one_optimizer_skips_every_optimizer_of_the_block() {
             Ok(g)
         })
         .unwrap();
-    assert!(o1.step().unwrap().is_skipped(), "l1's gradients are finite, but the block overflowed");
+    assert!(
+        o1.step().unwrap().is_skipped(),
+        "l1's gradients are finite, but the block overflowed"
+    );
     assert!(o2.step().unwrap().is_skipped());
     assert_eq!(f32_bits(amp.store()), before);
     // The scale backs off once, when the last optimizer of the block reports.

@@ -149,6 +149,16 @@ impl Optimizer for AdamW {
         !(self.config.fused && fused::fusable(params))
     }
 
+    /// None for the fused pass, which checks every parameter before writing any (and
+    /// writes in place, so a copy of the state could not undo it anyway); the tensor path's
+    /// state is device tensors that a step replaces, so its snapshot shares them.
+    fn step_snapshot(&self, params: &[ParamUpdate<'_>]) -> Option<OptimizerState> {
+        if self.config.fused && fused::fusable(params) {
+            return None;
+        }
+        self.state_dict().ok()
+    }
+
     fn step(&mut self, params: &[ParamUpdate<'_>]) -> Result<()> {
         if !(self.config.fused && fused::fusable(params)) {
             let stepped = super::default_step(self, params);

@@ -164,6 +164,17 @@ pub trait Optimizer: Send {
         true
     }
 
+    /// What [`AmpOptimizer`] restores if [`step`](Optimizer::step) over `params` fails: by
+    /// default a [`state_dict`](Optimizer::state_dict) taken before the step (`None`: the
+    /// algorithm cannot report its state and its own step says how far it is atomic). An
+    /// algorithm whose step checks everything before it writes anything may return `None`
+    /// and save the copy (our fused CPU passes do: a snapshot of host buffers would copy all
+    /// of the state every step).
+    fn step_snapshot(&self, params: &[ParamUpdate<'_>]) -> Option<OptimizerState> {
+        let _ = params;
+        self.state_dict().ok()
+    }
+
     /// The algorithm's state (moments, step counters), for checkpoints: a snapshot that
     /// later steps do not change (share buffers only if steps replace them rather than
     /// writing them in place).

@@ -339,7 +339,7 @@ impl AmpOptimizer {
         let updates = view(&items);
         // An algorithm that cannot report its state (candle's, through the adapter) cannot be
         // rolled back; its own step says how far it is atomic.
-        let snapshot = self.algo.state_dict().ok();
+        let snapshot = self.algo.step_snapshot(&updates);
         let stepped = self.algo.step(&updates);
         // Whatever the algorithm (ours bump their own writes; a user's or candle's does not
         // know of the cast cache), no cast of a value from before this step is served again.
