@@ -33,9 +33,17 @@ pub fn device() -> Device {
         .clone()
 }
 
-/// Whether the tests run on the CPU, where the fused kernels make comparisons bit-exact.
+/// Whether the tests run on the CPU.
 pub fn on_cpu() -> bool {
     device().is_cpu()
+}
+
+/// Whether the CPU's fused kernels do the work, which makes comparisons with candle's ops
+/// bit-exact: on the CPU unless `CANDLE_AMP_FORCE_DEVICE_PATH` (`1` or `true`) sends it down
+/// the device path's tensor ops, which round apart as a GPU's do.
+pub fn cpu_kernels() -> bool {
+    let forced = std::env::var("CANDLE_AMP_FORCE_DEVICE_PATH").is_ok_and(|v| v == "1" || v == "true");
+    on_cpu() && !forced
 }
 
 /// Relative tolerance for a value computed in `dtype` by kernels other than the CPU's
@@ -50,16 +58,16 @@ pub fn tol(dtype: DType) -> f32 {
     }
 }
 
-/// The tolerance for a comparison that is bit-exact on the CPU: 0 there (so the CPU keeps
-/// its exact assertion), [`tol`] on any other device.
+/// The tolerance for a comparison that is bit-exact with the CPU kernels: 0 there (so the
+/// CPU keeps its exact assertion), [`tol`] on any other device or path.
 pub fn cross_tol(dtype: DType) -> f32 {
-    if on_cpu() { 0.0 } else { tol(dtype) }
+    if cpu_kernels() { 0.0 } else { tol(dtype) }
 }
 
-/// A tolerance that is `cpu` on the CPU and at least [`tol`] elsewhere: for comparisons
-/// against a plain-candle control that the CPU kernels meet to within `cpu`.
+/// A tolerance that is `cpu` with the CPU kernels and at least [`tol`] elsewhere: for
+/// comparisons against a plain-candle control that the CPU kernels meet to within `cpu`.
 pub fn cpu_or_tol(cpu: f32, dtype: DType) -> f32 {
-    if on_cpu() { cpu } else { cpu.max(tol(dtype)) }
+    if cpu_kernels() { cpu } else { cpu.max(tol(dtype)) }
 }
 
 /// Asserts `a` and `b` are equal, or within `rel` relative (`|a-b| <= rel * max(|b|, 1)`)
