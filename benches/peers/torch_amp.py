@@ -14,13 +14,13 @@ Usage: python3 benches/peers/torch_amp.py [--threads N] [--steps N] [--rounds N]
 With `--device cuda` (or `--gpu-model`) it runs the GPU bench's transformer instead
 (`cargo run --release --features cuda --example bench -- --device cuda`): GPT-2 small (12
 pre-norm blocks, width 768, 12 heads, context 1024, vocabulary 50257, untied head, erf
-GELU, dropout 0, learned positions), the same batch (`--gpu-batch`, 16) and AdamW (lr 1e-4,
+GELU, dropout 0, learned positions), the same batch (`--gpu-batch`, 8) and AdamW (lr 1e-4,
 weight decay 0.01), on random tokens, in fp32 (TF32 off, as candle), autocast float16 with
 GradScaler and autocast bfloat16, each from a fresh model: 2 warm-up steps, then the median
 of `--steps` (10) steps, each ended by a device synchronisation. One JSON object on stdout:
 
     {"torch": "2.x", "device": "cuda", "gpu": "...", "transformer": {"layers": 12, ...,
-     "batch": 16}, "attention": "sdpa", "steps": 10, "warmup_steps": 2,
+     "batch": 8}, "attention": "sdpa", "steps": 10, "warmup_steps": 2,
      "modes": {"fp32": {"step_ms": .., "tokens_per_s": .., "peak_mib": ..},
                "autocast_f16": {..}, "autocast_bf16": {..}}}
 
@@ -61,7 +61,7 @@ SIZES = {
     "gpt2": {"layers": 12, "d_model": 768, "heads": 12, "context": 1024, "vocab": 50257},
     "tiny": {"layers": 2, "d_model": 64, "heads": 4, "context": 32, "vocab": 256},
 }
-DEFAULT_BATCH = {"gpt2": 16, "tiny": 4}
+DEFAULT_BATCH = {"gpt2": 8, "tiny": 4}
 
 
 def transformer(a):
