@@ -67,7 +67,7 @@ impl GpuModel {
     }
 
     /// Sequences per step. GPT-2: one training step held about 6.3 GiB per sequence of 1024
-    /// tokens at O0 and 6.7 GiB at O2 f16 (the counting allocator on the CPU, extrapolated
+    /// tokens at O0 and 6.9 GiB at O2 f16 (the counting allocator on the CPU, extrapolated
     /// from 1 and 2 blocks: about 0.35 GiB per block and 2.1 GiB for the 50257-way head and
     /// loss), plus 2.6 GB of parameters and AdamW state. 8 sequences (about 55 GiB) leave an
     /// H200's 141 GB room for the intermediates candle's unfused ops add off the CPU; raise
