@@ -184,12 +184,7 @@ enum Meter {
     /// The counting allocator (the CPU's "device" memory is the heap).
     Host { before: isize },
     /// `nvidia-smi` printing the GPU's used memory every 20 ms while the level runs.
-    Smi {
-        child: Child,
-        reader: JoinHandle<()>,
-        peak: Arc<AtomicU64>,
-        base: u64,
-    },
+    Smi { sampler: Sampler, base: u64 },
     /// No way to read it here.
     Unavailable,
 }
@@ -211,6 +206,24 @@ fn memory_source(dev: &Device) -> &'static str {
             "nvidia-smi memory.used of GPU 0, sampled every 20 ms, peak above the level's start (candle has no device-memory API)"
         }
         _ => "unavailable: nvidia-smi not found (candle has no device-memory API)",
+    }
+}
+
+/// A running `nvidia-smi -lms 20` and the thread keeping the highest value it printed. It
+/// is stopped when dropped, so a level that fails leaves no sampler behind.
+struct Sampler {
+    child: Child,
+    reader: Option<JoinHandle<()>>,
+    peak: Arc<AtomicU64>,
+}
+
+impl Drop for Sampler {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if let Some(r) = self.reader.take() {
+            let _ = r.join();
+        }
     }
 }
 
@@ -249,9 +262,11 @@ impl Meter {
             }
         });
         Ok(Self::Smi {
-            child,
-            reader,
-            peak,
+            sampler: Sampler {
+                child,
+                reader: Some(reader),
+                peak,
+            },
             base,
         })
     }
@@ -261,18 +276,12 @@ impl Meter {
     fn finish(self, dev: &Device) -> Result<(Option<f64>, Option<f64>)> {
         Ok(match self {
             Self::Host { before } => (Some((counting::peak() - before) as f64 / (1 << 20) as f64), None),
-            Self::Smi {
-                mut child,
-                reader,
-                peak,
-                base,
-            } => {
+            Self::Smi { sampler, base } => {
                 dev.synchronize()?;
                 // One more sample after the last step's memory is certainly in use.
                 std::thread::sleep(Duration::from_millis(60));
-                let _ = child.kill();
-                let _ = child.wait();
-                let _ = reader.join();
+                let peak = sampler.peak.clone();
+                drop(sampler);
                 (
                     Some(peak.load(Ordering::Relaxed).saturating_sub(base) as f64),
                     Some(base as f64),
