@@ -3,6 +3,10 @@
 //! weights bit-identical), while averages that are finite stay finite. Also: a saturated
 //! binary cross entropy keeps a finite gradient (PyTorch's backward), and trained
 //! parameters that get no gradient are named in the first backward's warnings.
+//!
+//! On `common::device()`, except the data-parallel tests (ranks are threads of a
+//! `LocalGroup`, a CPU test double) and the master-gradient buffer test (it reads a CPU
+//! buffer's address), which stay on the CPU.
 
 mod common;
 
@@ -15,9 +19,15 @@ use candle_amp::{self as amp, Amp, GradScaler, OptLevel, StepOutcome};
 use candle_core::{DType, Device, Tensor, Var};
 use common::{f32_bits, flat, on_ranks};
 
-/// An O0 run with one parameter `w` holding 1, and an SGD optimizer (lr 1e-38).
+/// An O0 run on the test device with one parameter `w` holding 1, and an SGD optimizer
+/// (lr 1e-38).
 fn one_param() -> (Amp, Tensor, amp::AmpOptimizer) {
-    let amp = Amp::new(OptLevel::O0, &Device::Cpu).unwrap();
+    one_param_on(&common::device())
+}
+
+/// [`one_param`] on `dev`.
+fn one_param_on(dev: &Device) -> (Amp, Tensor, amp::AmpOptimizer) {
+    let amp = Amp::new(OptLevel::O0, dev).unwrap();
     let w = amp
         .var_builder()
         .get_with_hints((1,), "w", candle_nn::Init::Const(1.0))
@@ -97,7 +107,7 @@ fn accumulated_overflow_skips_the_step_with_grad_scaler() {
 /// One data-parallel step where rank `r` runs micro-batches with gradients `grads(r)`;
 /// returns (skipped, the weights' bits before, after).
 fn ddp_step(c: Arc<dyn Communicator>, grads: impl Fn(usize) -> Vec<f32>) -> (bool, Vec<u32>, Vec<u32>) {
-    let (amp, w, mut opt) = one_param();
+    let (amp, w, mut opt) = one_param_on(&Device::Cpu);
     let rank = c.rank();
     let _ddp = DataParallel::new(&amp, c, Default::default()).unwrap();
     let bits = |amp: &Amp| f32_bits(amp.store())["w"].clone();
@@ -173,8 +183,8 @@ fn a_reducers_output_is_checked_before_it_is_applied() {
 #[test]
 fn binary_cross_entropy_gradient_is_finite_at_zero_and_one() {
     // PyTorch: d/dp = (p - y) / max(p (1 - p), 1e-12), divided by N for the mean.
-    let p = Var::new(&[0f32, 1., 0., 1., 0.25], &Device::Cpu).unwrap();
-    let y = Var::new(&[0f32, 1., 1., 0., 1.], &Device::Cpu).unwrap();
+    let p = Var::new(&[0f32, 1., 0., 1., 0.25], &common::device()).unwrap();
+    let y = Var::new(&[0f32, 1., 1., 0., 1.], &common::device()).unwrap();
     let loss = amp::ops::binary_cross_entropy(&p, &y).unwrap();
     // Clamped logs: the two wrong saturated entries cost 100 each.
     let want = (100.0 + 100.0 - (0.25f64).ln()) / 5.0;
@@ -198,12 +208,12 @@ fn binary_cross_entropy_gradient_is_finite_at_zero_and_one() {
 
 #[test]
 fn a_saturated_sigmoid_does_not_skip_steps() {
-    let amp = Amp::new(OptLevel::O1, &Device::Cpu).unwrap();
+    let amp = Amp::new(OptLevel::O1, &common::device()).unwrap();
     let fc = amp::nn::linear(1, 1, amp.var_builder().pp("fc")).unwrap();
     let mut opt = amp.optimizer(Sgd::new(SgdConfig::new(1e-3)).unwrap()).unwrap();
     // A logit of 200: sigmoid is exactly 1 in f32.
-    let x = Tensor::new(&[[200f32]], &Device::Cpu).unwrap();
-    let y = Tensor::new(&[[0f32]], &Device::Cpu).unwrap();
+    let x = Tensor::new(&[[200f32]], &common::device()).unwrap();
+    let y = Tensor::new(&[[0f32]], &common::device()).unwrap();
     for _ in 0..3 {
         let p = candle_nn::ops::sigmoid(
             &candle_nn::Module::forward(&fc, &x)
@@ -222,7 +232,7 @@ fn a_saturated_sigmoid_does_not_skip_steps() {
 
 #[test]
 fn parameters_without_a_gradient_are_named_once() {
-    let amp = Amp::new(OptLevel::O0, &Device::Cpu).unwrap();
+    let amp = Amp::new(OptLevel::O0, &common::device()).unwrap();
     let vb = amp.var_builder();
     let fc = amp::nn::linear(3, 3, vb.pp("fc")).unwrap();
     // candle-nn's fused layer norm has no backward: its weight and bias never get a gradient.
@@ -230,7 +240,7 @@ fn parameters_without_a_gradient_are_named_once() {
     let frozen = amp::nn::linear(3, 3, vb.pp("frozen")).unwrap();
     amp.store().set_frozen(|n| n.starts_with("frozen."), true);
     let mut opt = amp.optimizer(Sgd::new(SgdConfig::new(0.1)).unwrap()).unwrap();
-    let x = Tensor::ones((2, 3), DType::F32, &Device::Cpu).unwrap();
+    let x = Tensor::ones((2, 3), DType::F32, &common::device()).unwrap();
     let fwd = || {
         use candle_nn::Module;
         let h = candle_nn::Module::forward(&fc, &x).unwrap();
@@ -249,7 +259,7 @@ fn parameters_without_a_gradient_are_named_once() {
     assert!(r.warnings.is_empty(), "once per run: {:?}", r.warnings);
 }
 
-/// The address of a CPU f32 tensor's data.
+/// The address of a CPU f32 tensor's data (so the test that reads it stays on the CPU).
 fn data_ptr(t: &Tensor) -> usize {
     let (s, l) = t.storage_and_layout();
     match &*s {
@@ -260,7 +270,7 @@ fn data_ptr(t: &Tensor) -> usize {
 
 #[test]
 fn master_gradient_buffers_live_across_steps() {
-    let (amp, w, mut opt) = one_param();
+    let (amp, w, mut opt) = one_param_on(&Device::Cpu);
     amp.scale_loss(&loss_with_grad(&w, 3.0), &mut opt)
         .unwrap()
         .backward()
@@ -335,7 +345,7 @@ impl amp::optim::Optimizer for Probe {
 #[test]
 fn o3_makes_f32_copies_only_for_algorithms_that_read_them() {
     for reads in [true, false] {
-        let amp = Amp::new(OptLevel::O3, &Device::Cpu).unwrap();
+        let amp = Amp::new(OptLevel::O3, &common::device()).unwrap();
         let fc = amp::nn::linear(2, 2, amp.var_builder().pp("fc")).unwrap();
         let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         let mut opt = amp
@@ -344,7 +354,7 @@ fn o3_makes_f32_copies_only_for_algorithms_that_read_them() {
                 seen: seen.clone(),
             })
             .unwrap();
-        let x = Tensor::ones((1, 2), DType::F16, &Device::Cpu).unwrap();
+        let x = Tensor::ones((1, 2), DType::F16, &common::device()).unwrap();
         let loss = candle_nn::Module::forward(&fc, &x).unwrap().sum_all().unwrap();
         amp.scale_loss(&loss, &mut opt).unwrap().backward().unwrap();
         opt.step().unwrap();

@@ -2,6 +2,9 @@
 //! never after it changed (optimizer steps, `ParamStore` writes, a user's own `Var::set`),
 //! the cache stays bounded, and no lock is held across a cast (rayon workers that re-enter
 //! the policy through work stealing must not deadlock).
+//!
+//! On `common::device()`, except the rayon test: work stealing inside the CPU cast is its
+//! subject, so its tensors stay on the CPU.
 
 mod common;
 
@@ -17,7 +20,7 @@ fn o1() -> amp::Amp {
     let cfg = AmpConfig::new(OptLevel::O1)
         .loss_scale(LossScaleSpec::Static(4.0))
         .verbosity(0);
-    amp::Amp::new(cfg, &Device::Cpu).unwrap()
+    amp::Amp::new(cfg, &common::device()).unwrap()
 }
 
 fn values(n: usize, seed: u64) -> Vec<f32> {
@@ -48,6 +51,8 @@ fn within(secs: u64, f: impl FnOnce() + Send + 'static) {
     }
 }
 
+/// On the CPU whatever the test device: the deadlock it guards against is in the CPU cast's
+/// rayon workers.
 #[test]
 fn rayon_tasks_entering_one_runs_policy_do_not_deadlock() {
     let amp = o1();
@@ -130,7 +135,7 @@ fn entries_not_used_in_a_step_are_dropped_and_the_cache_is_bounded() {
         let _s = amp.autocast();
         // Many temporary weights, each cast once and dropped: the cache must not keep them.
         for i in 0..3000 {
-            let w = Var::from_vec(values(64, i), (8, 8), &Device::Cpu).unwrap();
+            let w = Var::from_vec(values(64, i), (8, 8), &common::device()).unwrap();
             let _ = ops::linear(&x, w.as_tensor(), None).unwrap();
         }
         assert!(
@@ -222,7 +227,7 @@ fn a_step_that_changes_one_element_is_not_served_stale() {
         let mut xv = vec![0f32; 2 * 64];
         xv[5] = 1.0;
         xv[64 + 5] = 1.0;
-        let x = Tensor::from_vec(xv, (2, 64), &Device::Cpu).unwrap();
+        let x = Tensor::from_vec(xv, (2, 64), &common::device()).unwrap();
         let w = amp.store().param("l.weight").unwrap().working().clone();
         for step in 0..3 {
             let before = w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
@@ -243,14 +248,14 @@ fn a_step_that_changes_one_element_is_not_served_stale() {
 fn no_stale_cast_after_param_store_writes() {
     let amp = o1();
     let model = amp.model(|vb| amp::nn::linear_no_bias(64, 64, vb.pp("l"))).unwrap();
-    let x = Tensor::ones((2, 64), DType::F32, &Device::Cpu).unwrap();
+    let x = Tensor::ones((2, 64), DType::F32, &common::device()).unwrap();
     let w = amp.store().param("l.weight").unwrap().working().clone();
     let _ = model.forward(&x).unwrap();
     for (i, k) in [1usize, 777, 4000].into_iter().enumerate() {
         // One element changed: only the store's write tells the cache.
         let mut v = w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         v[k] += 0.5;
-        let t = Tensor::from_vec(v, (64, 64), &Device::Cpu).unwrap();
+        let t = Tensor::from_vec(v, (64, 64), &common::device()).unwrap();
         amp.store().write_f32("l.weight", &t).unwrap();
         assert_eq!(flat(&model.forward(&x).unwrap()), fresh(&x, &w), "write {i}");
     }
@@ -259,23 +264,25 @@ fn no_stale_cast_after_param_store_writes() {
 #[test]
 fn a_users_direct_var_set_is_detected_or_invalidated_explicitly() {
     let _s = autocast::scope(DType::F16);
-    let w = Var::from_vec(values(64 * 64, 1), (64, 64), &Device::Cpu).unwrap();
-    let x = Tensor::ones((2, 64), DType::F32, &Device::Cpu).unwrap();
+    let w = Var::from_vec(values(64 * 64, 1), (64, 64), &common::device()).unwrap();
+    let x = Tensor::ones((2, 64), DType::F32, &common::device()).unwrap();
     let y = |w: &Var| flat(&ops::linear(&x, w.as_tensor(), None).unwrap());
     let _ = y(&w);
     // New values everywhere (loading weights, a candle optimizer): the sampled check sees it.
-    w.set(&Tensor::from_vec(values(64 * 64, 2), (64, 64), &Device::Cpu).unwrap())
+    w.set(&Tensor::from_vec(values(64 * 64, 2), (64, 64), &common::device()).unwrap())
         .unwrap();
     assert_eq!(y(&w), fresh(&x, w.as_tensor()), "all values rewritten");
     // One element changed by the user: guaranteed once they invalidate it.
     let mut v = values(64 * 64, 2);
     v[1234] = 3.0;
-    w.set(&Tensor::from_vec(v, (64, 64), &Device::Cpu).unwrap()).unwrap();
+    w.set(&Tensor::from_vec(v, (64, 64), &common::device()).unwrap())
+        .unwrap();
     autocast::invalidate(w.as_tensor());
     assert_eq!(y(&w), fresh(&x, w.as_tensor()), "one element, invalidated");
     let mut v = values(64 * 64, 2);
     v[99] = -3.0;
-    w.set(&Tensor::from_vec(v, (64, 64), &Device::Cpu).unwrap()).unwrap();
+    w.set(&Tensor::from_vec(v, (64, 64), &common::device()).unwrap())
+        .unwrap();
     autocast::invalidate_all();
     assert_eq!(y(&w), fresh(&x, w.as_tensor()), "one element, everything invalidated");
 }

@@ -1,5 +1,8 @@
 //! Checkpoints: exact resume in a new process, crash safety under SIGKILL, bad input, fuzzed
 //! readers, level changes, plain-candle loading, fine-tuning and half export.
+//!
+//! Runs train on `common::device()` (child processes inherit `CANDLE_AMP_TEST_DEVICE`);
+//! files are read back onto the CPU to inspect what was written.
 
 mod common;
 
@@ -27,7 +30,7 @@ fn setup(level: OptLevel) -> (amp::AmpModel<TwoLinear>, amp::AmpOptimizer, amp::
         ..Default::default()
     })
     .unwrap();
-    amp::initialize(TwoLinear::new, opt, AmpConfig::new(level).seed(3).verbosity(0)).unwrap()
+    common::initialize(TwoLinear::new, opt, AmpConfig::new(level).seed(3).verbosity(0)).unwrap()
 }
 
 /// One training step whose batch comes from the run's own "data" generator.
@@ -38,8 +41,8 @@ fn train_step(model: &amp::AmpModel<TwoLinear>, opt: &mut amp::AmpOptimizer, amp
         let x: Vec<f32> = (0..128).map(|_| r.random_range(-1.0..1.0)).collect();
         let y: Vec<f32> = (0..128).map(|_| r.random_range(-1.0..1.0)).collect();
         (
-            Tensor::from_vec(x, (16, 8), &Device::Cpu).unwrap(),
-            Tensor::from_vec(y, (16, 8), &Device::Cpu).unwrap(),
+            Tensor::from_vec(x, (16, 8), &common::device()).unwrap(),
+            Tensor::from_vec(y, (16, 8), &common::device()).unwrap(),
         )
     };
     let loss = candle_nn::loss::mse(&model.forward(&x).unwrap(), &y).unwrap();
@@ -341,7 +344,7 @@ fn bad_checkpoints_are_typed_errors_that_change_nothing() {
     }
 
     // From a different model: names, then shapes.
-    let other = amp::Amp::new(AmpConfig::new(OptLevel::O2).verbosity(0), &Device::Cpu).unwrap();
+    let other = amp::Amp::new(AmpConfig::new(OptLevel::O2).verbosity(0), &common::device()).unwrap();
     other.model(|vb| candle_nn::linear(8, 8, vb.pp("l1"))).unwrap();
     let mut o = other.optimizer(AdamW::new(Default::default()).unwrap()).unwrap();
     let before = other.state_dict().unwrap();
@@ -356,7 +359,7 @@ fn bad_checkpoints_are_typed_errors_that_change_nothing() {
     let e = good.restore(&other, &mut [&mut o]).unwrap_err();
     assert!(e.to_string().contains("captured at step 1"), "{e}");
     assert_eq!(other.state_dict().unwrap(), before);
-    let other = amp::Amp::new(AmpConfig::new(OptLevel::O2).verbosity(0), &Device::Cpu).unwrap();
+    let other = amp::Amp::new(AmpConfig::new(OptLevel::O2).verbosity(0), &common::device()).unwrap();
     other
         .model(|vb| {
             candle_nn::linear(8, 8, vb.pp("l1"))?;
@@ -370,7 +373,7 @@ fn bad_checkpoints_are_typed_errors_that_change_nothing() {
         "{e}"
     );
     // Another number of loss scalers or optimizers.
-    let (_, mut o3, a3) = amp::initialize(
+    let (_, mut o3, a3) = common::initialize(
         TwoLinear::new,
         AdamW::new(Default::default()).unwrap(),
         AmpConfig::new(OptLevel::O2).num_losses(2),
@@ -524,7 +527,7 @@ fn fine_tuning_starts_from_pretrained_weights_in_any_float_type() {
         let cfg = AmpConfig::new(OptLevel::O2)
             .seed(99)
             .pretrained(&path, LoadMode::Strict);
-        let (_, _, amp) = amp::initialize(TwoLinear::new, AdamW::new(Default::default()).unwrap(), cfg).unwrap();
+        let (_, _, amp) = common::initialize(TwoLinear::new, AdamW::new(Default::default()).unwrap(), cfg).unwrap();
         let got = store_values(amp.store());
         let tol = if dt == DType::F32 { 0.0 } else { 1e-2 };
         assert!(max_rel_diff(&got, &reference, 1e-2) <= tol, "{dt:?}");
@@ -572,7 +575,11 @@ fn fine_tuning_starts_from_pretrained_weights_in_any_float_type() {
 #[test]
 fn export_writes_half_weights_and_f32_buffers() {
     let dir = tmpdir("export");
-    let amp = amp::Amp::new(AmpConfig::new(OptLevel::O2).half(amp::HalfType::Bf16), &Device::Cpu).unwrap();
+    let amp = amp::Amp::new(
+        AmpConfig::new(OptLevel::O2).half(amp::HalfType::Bf16),
+        &common::device(),
+    )
+    .unwrap();
     amp.model(|vb| {
         candle_nn::linear(4, 3, vb.pp("fc"))?;
         amp::nn::batch_norm(3, 1e-5, vb.pp("bn"))
@@ -614,7 +621,7 @@ fn non_finite_settings_and_values_survive_a_checkpoint() {
         .max_consecutive_skips(1000)
         .verbosity(0);
     let (model, mut opt, amp) =
-        amp::initialize(TwoLinear::new, AdamW::new(Default::default()).unwrap(), cfg.clone()).unwrap();
+        common::initialize(TwoLinear::new, AdamW::new(Default::default()).unwrap(), cfg.clone()).unwrap();
     train_step(&model, &mut opt, &amp);
     // 2^16 halved 166 times underflows f32 to 0 (no floor).
     skip_steps(&model, &mut opt, &amp, 166);
@@ -624,7 +631,7 @@ fn non_finite_settings_and_values_survive_a_checkpoint() {
     let back = CheckpointDir::new(&dir, 1).load().unwrap();
     assert_eq!(back, ck);
     assert_eq!(back.properties().max_loss_scale, f32::INFINITY);
-    let (_, mut opt2, amp2) = amp::initialize(TwoLinear::new, AdamW::new(Default::default()).unwrap(), cfg).unwrap();
+    let (_, mut opt2, amp2) = common::initialize(TwoLinear::new, AdamW::new(Default::default()).unwrap(), cfg).unwrap();
     back.restore(&amp2, &mut [&mut opt2]).unwrap();
     assert_eq!(amp2.loss_scale(0).unwrap(), 0.0);
     // Tensor data with inf and NaN round-trips through JSON.

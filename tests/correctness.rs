@@ -2,6 +2,8 @@
 //! ownership, scaler settings on resume, the reducer on the PyTorch-style path, stale casts
 //! in a standalone autocast scope, overflow checks at tiny scales, scopes dropped out of
 //! order, all-or-nothing steps and gradient accumulation with `GradScaler`.
+//!
+//! On `common::device()`.
 
 mod common;
 
@@ -15,7 +17,7 @@ use candle_amp::{
     self as amp, AmpConfig, AmpError, DynamicParams, GradReducer, GradScaler, LossScaleSpec, OptLevel, ops,
 };
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 use candle_nn::Optimizer as _;
 use common::*;
 
@@ -34,8 +36,8 @@ fn grads_of(model: &amp::AmpModel<TwoLinear>, scaler: &GradScaler, x: &Tensor, y
 
 #[test]
 fn one_grad_scaler_serves_optimizers_of_two_handles() {
-    let (m0, mut o0, a0) = amp::initialize(TwoLinear::new, sgd(0.1), quiet(OptLevel::O1).seed(1)).unwrap();
-    let (m1, mut o1, a1) = amp::initialize(TwoLinear::new, sgd(0.1), quiet(OptLevel::O1).seed(2)).unwrap();
+    let (m0, mut o0, a0) = common::initialize(TwoLinear::new, sgd(0.1), quiet(OptLevel::O1).seed(1)).unwrap();
+    let (m1, mut o1, a1) = common::initialize(TwoLinear::new, sgd(0.1), quiet(OptLevel::O1).seed(2)).unwrap();
     let data = batches(2, 21);
     let (x, y) = &data[0];
     let mut scaler = GradScaler::new();
@@ -62,7 +64,7 @@ fn one_grad_scaler_serves_optimizers_of_two_handles() {
 
 #[test]
 fn groups_select_only_their_optimizers_parameters_and_claims_do_not_overlap() {
-    let amp = amp::Amp::new(quiet(OptLevel::O2), &Device::Cpu).unwrap();
+    let amp = amp::Amp::new(quiet(OptLevel::O2), &common::device()).unwrap();
     let _g = amp.model(|vb| TwoLinear::new(vb.pp("gen"))).unwrap();
     let _d = amp.model(|vb| TwoLinear::new(vb.pp("disc"))).unwrap();
     let mut opt_g = amp.optimizer_for(sgd(0.1), |n| n.starts_with("gen.")).unwrap();
@@ -90,7 +92,7 @@ fn groups_select_only_their_optimizers_parameters_and_claims_do_not_overlap() {
 fn resuming_keeps_the_loading_runs_scaler_settings() {
     let dir = std::env::temp_dir().join(format!("candle-amp-resume-settings-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let (model, mut opt, amp) = amp::initialize(TwoLinear::new, sgd(0.1), quiet(OptLevel::O2)).unwrap();
+    let (model, mut opt, amp) = common::initialize(TwoLinear::new, sgd(0.1), quiet(OptLevel::O2)).unwrap();
     for (x, y) in batches(3, 22) {
         let loss = ops::mse(&model.forward(&x).unwrap(), &y).unwrap();
         amp.scale_loss(&loss, &mut opt).unwrap().backward().unwrap();
@@ -106,7 +108,7 @@ fn resuming_keeps_the_loading_runs_scaler_settings() {
         hysteresis: 2,
         ..Default::default()
     });
-    let (_, mut opt2, amp2) = amp::initialize(TwoLinear::new, sgd(0.1), calm).unwrap();
+    let (_, mut opt2, amp2) = common::initialize(TwoLinear::new, sgd(0.1), calm).unwrap();
     ckpts.load().unwrap().restore(&amp2, &mut [&mut opt2]).unwrap();
     let st = &amp2.scaler_states()[0];
     assert_eq!(
@@ -149,7 +151,7 @@ impl GradReducer for Halving {
 #[test]
 fn the_grad_scaler_path_runs_the_installed_reducer() {
     for remote_inf in [false, true] {
-        let (model, mut opt, amp) = amp::initialize(TwoLinear::new, sgd(0.1), quiet(OptLevel::O1)).unwrap();
+        let (model, mut opt, amp) = common::initialize(TwoLinear::new, sgd(0.1), quiet(OptLevel::O1)).unwrap();
         let r = Arc::new(Halving {
             calls: AtomicUsize::new(0),
             remote_inf,
@@ -216,7 +218,7 @@ fn overflow_is_checked_on_the_raw_gradient_as_pytorch_does() {
     assert!(tiny > 0.0 && (1.0 / tiny).is_infinite());
     let data = batches(3, 25);
     // PyTorch-style.
-    let (model, mut opt, amp) = amp::initialize(TwoLinear::new, sgd(0.1), quiet(OptLevel::O1)).unwrap();
+    let (model, mut opt, amp) = common::initialize(TwoLinear::new, sgd(0.1), quiet(OptLevel::O1)).unwrap();
     let mut scaler = GradScaler::with_params(tiny, 2.0, 0.5, 1, true).unwrap();
     for (i, (x, y)) in data.iter().enumerate() {
         let g = grads_of(&model, &scaler, x, y);
@@ -238,7 +240,7 @@ fn overflow_is_checked_on_the_raw_gradient_as_pytorch_does() {
             growth_interval: 1,
             ..Default::default()
         });
-    let (model, mut opt, amp) = amp::initialize(TwoLinear::new, sgd(0.1), cfg).unwrap();
+    let (model, mut opt, amp) = common::initialize(TwoLinear::new, sgd(0.1), cfg).unwrap();
     for (x, y) in &data {
         let loss = ops::mse(&model.forward(x).unwrap(), y).unwrap();
         let report = amp.scale_loss(&loss, &mut opt).unwrap().backward().unwrap();
@@ -252,7 +254,7 @@ fn overflow_is_checked_on_the_raw_gradient_as_pytorch_does() {
 
 #[test]
 fn scopes_dropped_out_of_order_restore_correctly() {
-    let amp = amp::Amp::new(quiet(OptLevel::O1), &Device::Cpu).unwrap();
+    let amp = amp::Amp::new(quiet(OptLevel::O1), &common::device()).unwrap();
     {
         let a = amp.autocast();
         let d = autocast::disable();
@@ -312,9 +314,9 @@ fn a_failed_step_changes_nothing_and_a_retry_applies_it_once() {
         inner: Sgd::new(momentum).unwrap(),
         fail_on: Some("l2.weight"),
     };
-    let (model, mut opt, amp) = amp::initialize(TwoLinear::new, flaky, quiet(OptLevel::O2)).unwrap();
+    let (model, mut opt, amp) = common::initialize(TwoLinear::new, flaky, quiet(OptLevel::O2)).unwrap();
     let (model_c, mut opt_c, amp_c) =
-        amp::initialize(TwoLinear::new, Sgd::new(momentum).unwrap(), quiet(OptLevel::O2)).unwrap();
+        common::initialize(TwoLinear::new, Sgd::new(momentum).unwrap(), quiet(OptLevel::O2)).unwrap();
     let (x, y) = batches(1, 26).remove(0);
     for (m, o, a) in [(&model, &mut opt, &amp), (&model_c, &mut opt_c, &amp_c)] {
         let loss = ops::mse(&m.forward(&x).unwrap(), &y).unwrap();
@@ -349,7 +351,7 @@ fn grad_scaler_accumulates_micro_batches_like_one_full_batch() {
         (x.narrow(0, 0, 8).unwrap(), y.narrow(0, 0, 8).unwrap()),
         (x.narrow(0, 8, 8).unwrap(), y.narrow(0, 8, 8).unwrap()),
     ];
-    let (model, mut opt, amp) = amp::initialize(TwoLinear::new, sgd(0.1), quiet(OptLevel::O1)).unwrap();
+    let (model, mut opt, amp) = common::initialize(TwoLinear::new, sgd(0.1), quiet(OptLevel::O1)).unwrap();
     let vm = f32_copy(amp.store());
     let control = TwoLinear::new(vb_of(&vm)).unwrap();
     let mut scaler = GradScaler::with_params(1024.0, 2.0, 0.5, 1, true).unwrap();

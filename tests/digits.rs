@@ -1,5 +1,8 @@
 //! The digits MLP: O0 equals a plain candle f32 loop from the same initial weights, and O2
 //! (f16 and bf16) reaches O0's held-out accuracy within 1.5 points.
+//!
+//! On `common::device()`. O0 equals the plain loop bit for bit with the CPU kernels, which
+//! round as candle's ops do; elsewhere (a GPU, the forced device path) within f32 rounding.
 
 mod common;
 #[path = "../examples/train/data.rs"]
@@ -11,7 +14,7 @@ mod models;
 
 use candle_amp::optim::{AdamW, AdamWConfig};
 use candle_amp::{self as amp, AmpConfig, HalfType, OptLevel};
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Tensor};
 use candle_nn::{Module, Optimizer as _};
 use common::*;
 use data::Dataset;
@@ -45,8 +48,8 @@ fn tensors(d: &Dataset, idx: &[usize]) -> (Tensor, Tensor) {
         y.push(d.y[i]);
     }
     (
-        Tensor::from_vec(x, (idx.len(), d.width), &Device::Cpu).unwrap(),
-        Tensor::from_vec(y, idx.len(), &Device::Cpu).unwrap(),
+        Tensor::from_vec(x, (idx.len(), d.width), &common::device()).unwrap(),
+        Tensor::from_vec(y, idx.len(), &common::device()).unwrap(),
     )
 }
 
@@ -79,7 +82,7 @@ fn accuracy(model: &impl Fn(&Tensor) -> Tensor, test: &Dataset) -> f64 {
 fn o0_matches_a_plain_candle_f32_loop() {
     let (train, _test, classes) = prepared();
     let steps = 60;
-    let (model, mut opt, amp) = amp::initialize(|vb| Mlp::new(vb, 64, 256, classes), adamw(), OptLevel::O0).unwrap();
+    let (model, mut opt, amp) = common::initialize(|vb| Mlp::new(vb, 64, 256, classes), adamw(), OptLevel::O0).unwrap();
     let vm = f32_copy(amp.store());
     let plain = Mlp::new(vb_of(&vm), 64, 256, classes).unwrap();
     let mut c = candle_nn::AdamW::new(
@@ -98,11 +101,16 @@ fn o0_matches_a_plain_candle_f32_loop() {
         opt.step().unwrap();
         opt.zero_grad();
         let closs = candle_nn::loss::cross_entropy(&plain.forward(&x).unwrap(), &y).unwrap();
-        assert_eq!(loss.to_scalar::<f32>().unwrap(), closs.to_scalar::<f32>().unwrap());
+        common::assert_close(
+            &[loss.to_scalar::<f32>().unwrap()],
+            &[closs.to_scalar::<f32>().unwrap()],
+            cross_tol(DType::F32),
+            "loss",
+        );
         c.step(&closs.backward().unwrap()).unwrap();
     }
     let d = max_rel_diff(&store_values(amp.store()), &varmap_values(&vm), 1e-3);
-    assert!(d <= 1e-6, "O0 differs from plain candle by {d}");
+    assert!(d <= cpu_or_tol(1e-6, DType::F32), "O0 differs from plain candle by {d}");
 }
 
 #[test]
@@ -148,7 +156,7 @@ fn train_and_score<M: candle_nn::ModuleT>(
     test: &Dataset,
     order: &[Vec<usize>],
 ) -> f64 {
-    let (model, mut opt, amp) = amp::initialize(build, adamw(), cfg).unwrap();
+    let (model, mut opt, amp) = common::initialize(build, adamw(), cfg).unwrap();
     for idx in order {
         let (x, y) = tensors(train, idx);
         let loss = amp::ops::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap();

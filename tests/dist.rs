@@ -3,6 +3,9 @@
 //! accumulation, `GradScaler`, synchronised batch norm, unused parameters, mismatched models
 //! and a rank that never answers. The same scenarios run across real processes under
 //! `mpirun` in `examples/ddp_check.rs` (CI).
+//!
+//! On the CPU whatever `CANDLE_AMP_TEST_DEVICE` says: the ranks are threads of a
+//! `LocalGroup`, a host-memory test double (a GPU run's data parallelism is NCCL's).
 mod common;
 
 mod dist_scenarios;

@@ -1,6 +1,10 @@
 //! Typed errors survive a trip through candle: an `AmpError` raised inside candle-facing code
 //! (a custom op, the parameter store behind a `VarBuilder`) comes back as itself, not as
 //! `AmpError::Candle`.
+//!
+//! The builder test runs on `common::device()`; the others stay on the CPU: one's ranks are
+//! `LocalGroup` threads, the other's custom op has only a CPU forward (the error's trip
+//! through candle is the same on every device).
 
 mod common;
 
@@ -40,7 +44,7 @@ fn a_sync_batch_norm_timeout_is_a_typed_distributed_error() {
 
 #[test]
 fn a_parameter_error_inside_the_builder_keeps_its_variant() {
-    let res = amp::initialize(
+    let res = common::initialize(
         |vb| {
             // Two layers under one name with different shapes: the store refuses the second.
             vb.get((2, 2), "w")?;

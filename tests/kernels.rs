@@ -8,6 +8,10 @@
 //!
 //! The ISA switch is process-wide, so this binary runs its tests one after another under a
 //! lock.
+//!
+//! On the CPU whatever `CANDLE_AMP_TEST_DEVICE` says: instruction-set tiers and raw-slice
+//! passes are the CPU kernels' own (other devices take candle's ops, which the behaviour
+//! tests cover there).
 
 use std::sync::Mutex;
 

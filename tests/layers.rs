@@ -1,10 +1,12 @@
 //! Gradients through every drop-in layer, op and loss: equal to central finite differences
 //! in f64, and under O1 autocast equal to the f32 computation within half tolerance.
+//!
+//! On `common::device()`.
 
 mod common;
 
 use candle_amp::{self as amp, nn as ann, ops};
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 use candle_nn::{Module, ModuleT, VarBuilder, VarMap};
 use common::flat;
 
@@ -13,7 +15,10 @@ fn rand(shape: &[usize], seed: u64, dt: DType) -> Tensor {
     let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let n: usize = shape.iter().product();
     let v: Vec<f64> = (0..n).map(|_| r.random_range(-1.0..1.0)).collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap().to_dtype(dt).unwrap()
+    Tensor::from_vec(v, shape, &common::device())
+        .unwrap()
+        .to_dtype(dt)
+        .unwrap()
 }
 
 /// Checks autograd against central differences for every Var in `vars`, at up to 6
@@ -31,11 +36,12 @@ fn fd_check(name: &str, vars: &[Var], loss: &dyn Fn() -> Tensor) {
             let at = |d: f64| {
                 let mut b = base.clone();
                 b[i] += d;
-                v.set(&Tensor::from_vec(b, v.shape(), &Device::Cpu).unwrap()).unwrap();
+                v.set(&Tensor::from_vec(b, v.shape(), &common::device()).unwrap())
+                    .unwrap();
                 loss().to_scalar::<f64>().unwrap()
             };
             let fd = (at(eps) - at(-eps)) / (2.0 * eps);
-            v.set(&Tensor::from_vec(base.clone(), v.shape(), &Device::Cpu).unwrap())
+            v.set(&Tensor::from_vec(base.clone(), v.shape(), &common::device()).unwrap())
                 .unwrap();
             assert!(
                 (fd - gv[i]).abs() <= 1e-5 * (1.0 + gv[i].abs()),
@@ -190,7 +196,7 @@ fn every_layer_matches_finite_differences_in_f64() {
     ];
     for (name, shape, build) in cases {
         let vm = VarMap::new();
-        let f = build(VarBuilder::from_varmap(&vm, DType::F64, &Device::Cpu));
+        let f = build(VarBuilder::from_varmap(&vm, DType::F64, &common::device()));
         let x = Var::from_tensor(&rand(&shape, 1, DType::F64)).unwrap();
         let mut vars = vars_of(&vm);
         vars.push(x.clone());
@@ -201,11 +207,11 @@ fn every_layer_matches_finite_differences_in_f64() {
 #[test]
 fn embedding_and_dropout_gradients() {
     let vm = VarMap::new();
-    let e = ann::embedding(6, 4, VarBuilder::from_varmap(&vm, DType::F64, &Device::Cpu)).unwrap();
-    let ids = Tensor::new(&[[1u32, 2, 2], [5, 0, 1]], &Device::Cpu).unwrap();
+    let e = ann::embedding(6, 4, VarBuilder::from_varmap(&vm, DType::F64, &common::device())).unwrap();
+    let ids = Tensor::new(&[[1u32, 2, 2], [5, 0, 1]], &common::device()).unwrap();
     fd_check("embedding", &vars_of(&vm), &|| weighted(&e.forward(&ids).unwrap(), 3));
 
-    let run = amp::Amp::new(amp::OptLevel::O0, &Device::Cpu).unwrap();
+    let run = amp::Amp::new(amp::OptLevel::O0, &common::device()).unwrap();
     let g = run.generator("dropout");
     let d = ann::Dropout::new(0.3, g.clone()).unwrap();
     let x = Var::from_tensor(&rand(&[4, 5], 4, DType::F64)).unwrap();
@@ -247,7 +253,7 @@ fn embedding_and_dropout_gradients() {
 fn every_loss_matches_finite_differences_in_f64() {
     let x = Var::from_tensor(&rand(&[2, 3, 4], 6, DType::F64)).unwrap();
     let t = rand(&[2, 3, 4], 7, DType::F64);
-    let ids = Tensor::new(&[[0u32, 3, 1], [2, 2, 0]], &Device::Cpu).unwrap();
+    let ids = Tensor::new(&[[0u32, 3, 1], [2, 2, 0]], &common::device()).unwrap();
     let probs = ops::softmax(&t, 2).unwrap();
     let bits = t.ge(0.0).unwrap().to_dtype(DType::F64).unwrap();
     type LossFn<'a> = Box<dyn Fn() -> Tensor + 'a>;
@@ -299,7 +305,7 @@ fn every_loss_matches_finite_differences_in_f64() {
 fn o1_gradients_equal_the_f32_reference_within_half_tolerance() {
     // The same layers and input; gradients of f32 parameters with and without autocast.
     let vm = VarMap::new();
-    let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+    let vb = VarBuilder::from_varmap(&vm, DType::F32, &common::device());
     let l1 = ann::linear(8, 16, vb.pp("l1")).unwrap();
     let ln = ann::layer_norm(16, 1e-5, vb.pp("ln")).unwrap();
     let conv = ann::conv1d(
@@ -315,7 +321,7 @@ fn o1_gradients_equal_the_f32_reference_within_half_tolerance() {
     .unwrap();
     let q = ann::linear(4, 4, vb.pp("q")).unwrap();
     let x = rand(&[2, 4, 8], 8, DType::F32);
-    let y = Tensor::new(&[[1u32, 0, 3, 2], [2, 3, 1, 0]], &Device::Cpu).unwrap();
+    let y = Tensor::new(&[[1u32, 0, 3, 2], [2, 3, 1, 0]], &common::device()).unwrap();
     let run = || {
         let h = ln.forward(&l1.forward(&x).unwrap()).unwrap(); // (2, 4, 16)
         let h = ops::gelu(&h).unwrap();
@@ -365,7 +371,7 @@ fn o1_gradients_equal_the_f32_reference_within_half_tolerance() {
 #[test]
 fn candles_fused_norms_stop_gradients_ours_do_not() {
     let vm = VarMap::new();
-    let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+    let vb = VarBuilder::from_varmap(&vm, DType::F32, &common::device());
     let lin = candle_nn::linear(4, 4, vb.pp("lin")).unwrap();
     let theirs = candle_nn::layer_norm(4, 1e-5, vb.pp("theirs")).unwrap();
     let ours = ann::layer_norm(4, 1e-5, vb.pp("ours")).unwrap();

@@ -4,6 +4,9 @@
 //! this test binary holds this one test only). Gradients and optimizer state never keep a
 //! graph alive. The same holds with gradient checkpointing and recomputed feed-forward
 //! slices.
+//!
+//! On the CPU whatever `CANDLE_AMP_TEST_DEVICE` says: the counting allocator sees host
+//! memory only.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};

@@ -2,6 +2,9 @@
 //! level: gradients, weights, dropout masks, the loss scale's trajectory with overflows
 //! inside checkpointed segments, batch norm's running statistics, `GradScaler`, and bad
 //! arguments.
+//!
+//! On `common::device()`: a recomputation runs the same kernels as the forward it replays,
+//! so the bit-for-bit comparisons hold on any device.
 
 mod common;
 
@@ -13,7 +16,7 @@ use candle_amp::nn::{BatchNorm, Dropout, LayerNorm, Linear, batch_norm, layer_no
 use candle_amp::optim::{Sgd, SgdConfig};
 use candle_amp::recompute::{Recompute, chunked_forward};
 use candle_amp::{self as amp, AmpConfig, AmpError, DynamicParams, GradScaler, HalfType, OptLevel};
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Module, Tensor};
 use candle_nn::{ModuleT, VarBuilder};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -148,8 +151,8 @@ fn batch(step: usize) -> (Tensor, Tensor) {
     let x: Vec<f32> = (0..BATCH * T * 5).map(|_| r.random_range(-1.0..1.0)).collect();
     let y: Vec<f32> = (0..BATCH * T * 2).map(|_| r.random_range(-1.0..1.0)).collect();
     (
-        Tensor::from_vec(x, (BATCH, T, 5), &Device::Cpu).unwrap(),
-        Tensor::from_vec(y, (BATCH, T, 2), &Device::Cpu).unwrap(),
+        Tensor::from_vec(x, (BATCH, T, 5), &common::device()).unwrap(),
+        Tensor::from_vec(y, (BATCH, T, 2), &common::device()).unwrap(),
     )
 }
 
@@ -180,7 +183,11 @@ fn run(
     steps: usize,
     gain_at: &[usize],
 ) -> Outcome {
-    let amp = amp::Amp::new(cfg(AmpConfig::new(level).half(half).seed(7).verbosity(0)), &Device::Cpu).unwrap();
+    let amp = amp::Amp::new(
+        cfg(AmpConfig::new(level).half(half).seed(7).verbosity(0)),
+        &common::device(),
+    )
+    .unwrap();
     let rc = Recompute::new(&amp);
     let gain = Arc::new(AtomicU32::new(1f32.to_bits()));
     let model = amp.model(|vb| Net::new(vb, &amp, &rc, mode, &gain)).unwrap();
@@ -327,7 +334,7 @@ fn an_overflow_inside_a_checkpointed_segment_skips_the_step_like_any_other() {
 #[test]
 fn checkpointing_works_with_grad_scaler() {
     let go = |ck: bool| {
-        let amp = amp::Amp::new(AmpConfig::new(OptLevel::O2).seed(7).verbosity(0), &Device::Cpu).unwrap();
+        let amp = amp::Amp::new(AmpConfig::new(OptLevel::O2).seed(7).verbosity(0), &common::device()).unwrap();
         let rc = Recompute::new(&amp);
         let gain = Arc::new(AtomicU32::new(1f32.to_bits()));
         let mode = if ck { Mode::Sequential(2) } else { Mode::Plain };
@@ -368,7 +375,7 @@ impl ModuleT for BnBlock {
 #[test]
 fn batch_norm_in_a_recomputed_segment_updates_its_running_statistics_once() {
     let go = |segments: usize| {
-        let amp = amp::Amp::new(AmpConfig::new(OptLevel::O2).seed(3).verbosity(0), &Device::Cpu).unwrap();
+        let amp = amp::Amp::new(AmpConfig::new(OptLevel::O2).seed(3).verbosity(0), &common::device()).unwrap();
         let rc = Recompute::new(&amp);
         let model = amp
             .model(|vb| {
@@ -383,7 +390,7 @@ fn batch_norm_in_a_recomputed_segment_updates_its_running_statistics_once() {
             })
             .unwrap();
         let mut opt = amp.optimizer(Sgd::new(SgdConfig::new(0.02)).unwrap()).unwrap();
-        let x = Tensor::randn(0f32, 1.0, (6, 4), &Device::Cpu).unwrap();
+        let x = Tensor::randn(0f32, 1.0, (6, 4), &common::device()).unwrap();
         let _ = &x;
         for step in 0..2 {
             let x = batch(step).0.flatten_to(1).unwrap().narrow(1, 0, 4).unwrap();
@@ -408,7 +415,7 @@ fn batch_norm_in_a_recomputed_segment_updates_its_running_statistics_once() {
 #[test]
 fn forward_values_equal_the_plain_model_in_training_and_evaluation() {
     let out = |mode: Mode, train: bool| {
-        let amp = amp::Amp::new(AmpConfig::new(OptLevel::O2).seed(7), &Device::Cpu).unwrap();
+        let amp = amp::Amp::new(AmpConfig::new(OptLevel::O2).seed(7), &common::device()).unwrap();
         let rc = Recompute::new(&amp);
         let gain = Arc::new(AtomicU32::new(1f32.to_bits()));
         let model = amp.model(|vb| Net::new(vb, &amp, &rc, mode, &gain)).unwrap();
@@ -437,7 +444,7 @@ fn forward_values_equal_the_plain_model_in_training_and_evaluation() {
 
 #[test]
 fn bad_arguments_are_typed_errors() {
-    let amp = amp::Amp::new(AmpConfig::new(OptLevel::O0), &Device::Cpu).unwrap();
+    let amp = amp::Amp::new(AmpConfig::new(OptLevel::O0), &common::device()).unwrap();
     let rc = Recompute::new(&amp);
     let blocks = amp
         .model(|vb| {
@@ -446,7 +453,7 @@ fn bad_arguments_are_typed_errors() {
                 .collect::<candle_core::Result<Vec<_>>>()
         })
         .unwrap();
-    let x = Tensor::ones((2, 4), DType::F32, &Device::Cpu).unwrap();
+    let x = Tensor::ones((2, 4), DType::F32, &common::device()).unwrap();
     for segments in [0, 4] {
         match rc.checkpoint_sequential(blocks.inner(), segments, &x, true) {
             Err(AmpError::InvalidArgument { argument, .. }) => assert_eq!(argument, "segments"),
@@ -466,7 +473,7 @@ fn bad_arguments_are_typed_errors() {
 
 #[test]
 fn chunked_inference_equals_the_whole_layer() {
-    let amp = amp::Amp::new(AmpConfig::new(OptLevel::O0).seed(2), &Device::Cpu).unwrap();
+    let amp = amp::Amp::new(AmpConfig::new(OptLevel::O0).seed(2), &common::device()).unwrap();
     let ffn = amp
         .model(|vb| {
             Ok(Ffn {
@@ -476,7 +483,7 @@ fn chunked_inference_equals_the_whole_layer() {
             })
         })
         .unwrap();
-    let x = Tensor::randn(0f32, 1.0, (2, 7, D), &Device::Cpu).unwrap();
+    let x = Tensor::randn(0f32, 1.0, (2, 7, D), &common::device()).unwrap();
     let whole = ffn.inner().forward(&x).unwrap();
     for c in [1, 3, 7, 20] {
         let sliced = chunked_forward(ffn.inner(), c, 1, &x).unwrap();
@@ -489,7 +496,7 @@ fn chunked_inference_equals_the_whole_layer() {
 fn segments_on_input_data_get_their_gradients() {
     // The input is outside any graph: the segment node hangs off a variable of its own.
     let grads = |how: u8| {
-        let amp = amp::Amp::new(AmpConfig::new(OptLevel::O0).seed(4), &Device::Cpu).unwrap();
+        let amp = amp::Amp::new(AmpConfig::new(OptLevel::O0).seed(4), &common::device()).unwrap();
         let rc = Recompute::new(&amp);
         let model = amp.model(|vb| linear(5, 3, vb.pp("fc"))).unwrap();
         let mut opt = amp.optimizer(Sgd::new(SgdConfig::new(0.1)).unwrap()).unwrap();
@@ -525,7 +532,7 @@ fn draws_around_a_recompute(checkpointed: bool) -> (Vec<u64>, BTreeMap<String, V
     use std::sync::atomic::AtomicUsize;
     use std::sync::mpsc;
 
-    let amp = amp::Amp::new(AmpConfig::new(OptLevel::O0).seed(9).verbosity(0), &Device::Cpu).unwrap();
+    let amp = amp::Amp::new(AmpConfig::new(OptLevel::O0).seed(9).verbosity(0), &common::device()).unwrap();
     let rc = Recompute::new(&amp);
     let model = amp.model(|vb| linear(5, 5, vb.pp("fc"))).unwrap();
     let mut opt = amp.optimizer(Sgd::new(SgdConfig::new(0.1)).unwrap()).unwrap();
@@ -591,7 +598,7 @@ fn a_recompute_replays_only_its_own_streams_and_hides_them_from_other_threads() 
     let (draws, grads, dropout) = draws_around_a_recompute(true);
     // "data", which the segment never drew from, gives the draws it gives without
     // checkpointing: no repeat while the backward recomputes, no lag after it.
-    let mut fresh = amp::Amp::new(AmpConfig::new(OptLevel::O0).seed(9).verbosity(0), &Device::Cpu)
+    let mut fresh = amp::Amp::new(AmpConfig::new(OptLevel::O0).seed(9).verbosity(0), &common::device())
         .unwrap()
         .generator("data")
         .snapshot();

@@ -9,6 +9,13 @@
 //! to the inputs (through the view, to the storage it was cut from) agree too.
 //!
 //! Fixed seed and case count, so CI time is bounded (the count is printed).
+//!
+//! The groups of public ops and layers (attention, losses, reductions, cross entropy, `nn`
+//! layers) run on `common::device()`. The groups that compare the CPU kernels' fast paths
+//! with their fallbacks (products, linear, element-wise and activations, normalisation, the
+//! fallback product) stay on the CPU: off it both sides are the fallback.
+
+mod common;
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
@@ -105,6 +112,22 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
+thread_local! {
+    /// The device this thread's group builds its inputs on: the CPU unless the group calls
+    /// [`on_test_device`] (each test runs on its own thread).
+    static DEVICE: std::cell::RefCell<Device> = const { std::cell::RefCell::new(Device::Cpu) };
+}
+
+/// Makes this thread's group build its inputs on `common::device()`.
+fn on_test_device() {
+    DEVICE.with(|d| *d.borrow_mut() = common::device());
+}
+
+/// The device this thread's group builds its inputs on.
+fn dev() -> Device {
+    DEVICE.with(|d| d.borrow().clone())
+}
+
 /// An input: the storage it is cut from (a Var, for gradients) and the view itself.
 struct Input {
     base: Var,
@@ -129,7 +152,7 @@ fn input(shape: &[usize], v: View, dtype: DType, seed: u64) -> Input {
         View::Strided => stored[r - 1] *= 2,
     }
     let n: usize = stored.iter().product();
-    let t = Tensor::from_vec(values(n, seed), stored.as_slice(), &Device::Cpu)
+    let t = Tensor::from_vec(values(n, seed), stored.as_slice(), &dev())
         .unwrap()
         .to_dtype(dtype)
         .unwrap();
@@ -270,7 +293,7 @@ fn check(
     };
     close(&what, &got, &want, s.tol())?;
     // Gradients of sum(out * c) for fixed c.
-    let c = Tensor::from_vec(values(want.elem_count(), seed ^ 0xC0FFEE), want.shape(), &Device::Cpu).unwrap();
+    let c = Tensor::from_vec(values(want.elem_count(), seed ^ 0xC0FFEE), want.shape(), &dev()).unwrap();
     let g_got = guarded(|| input_grads(&got, &c, &mine));
     let g_want = guarded(|| {
         let _plain = kernels::plain();
@@ -652,6 +675,7 @@ fn attention_ref(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> candle_cor
 /// Attention with any sequence lengths (zero included), causal or not.
 #[test]
 fn attention_any_sequence_length() {
+    on_test_device();
     let before = CASES.with(|c| c.get());
     let strat = (
         setting(),
@@ -689,6 +713,7 @@ fn attention_any_sequence_length() {
 /// Losses over batches of any size (an empty batch's mean is NaN on both sides).
 #[test]
 fn losses_any_batch() {
+    on_test_device();
     let before = CASES.with(|c| c.get());
     let strat = (setting(), dim(), 1usize..5, view(), any::<u32>());
     runner()
@@ -719,6 +744,7 @@ fn losses_any_batch() {
 /// Reductions, element-wise maths, comparisons and joins of `ops`, at any rank.
 #[test]
 fn reductions_maths_and_joins() {
+    on_test_device();
     let before = CASES.with(|c| c.get());
     let strat = (setting(), prop::collection::vec(dim(), 1..4), view(), any::<u32>());
     runner()
@@ -880,12 +906,13 @@ fn reductions_maths_and_joins() {
 /// Cross entropy over any batch (class indices from the inputs' values).
 #[test]
 fn cross_entropy_any_batch() {
+    on_test_device();
     let before = CASES.with(|c| c.get());
     let strat = (setting(), dim(), 1usize..5, view(), any::<u32>());
     runner()
         .run(&strat, |(s, n, c, v, seed)| {
             let targets: Vec<u32> = (0..n as u32).map(|i| (i * 7 + seed) % c as u32).collect();
-            let t = Tensor::new(targets.as_slice(), &Device::Cpu).unwrap();
+            let t = Tensor::new(targets.as_slice(), &dev()).unwrap();
             check(
                 "ops::cross_entropy",
                 s,
@@ -910,7 +937,7 @@ fn layer_pair<A, B>(
     nn_layer: impl FnOnce(candle_nn::VarBuilder) -> candle_core::Result<B>,
 ) -> (A, B) {
     let vm = candle_nn::VarMap::new();
-    let b = nn_layer(candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu).pp("l")).unwrap();
+    let b = nn_layer(candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev()).pp("l")).unwrap();
     let converted: std::collections::HashMap<String, Tensor> = vm
         .data()
         .lock()
@@ -918,7 +945,7 @@ fn layer_pair<A, B>(
         .iter()
         .map(|(k, v)| (k.clone(), v.as_tensor().to_dtype(dtype).unwrap()))
         .collect();
-    let a = amp_layer(candle_nn::VarBuilder::from_tensors(converted, dtype, &Device::Cpu).pp("l")).unwrap();
+    let a = amp_layer(candle_nn::VarBuilder::from_tensors(converted, dtype, &dev()).pp("l")).unwrap();
     (a, b)
 }
 
@@ -929,6 +956,7 @@ fn layer_pair<A, B>(
 #[test]
 fn layers_on_any_batch() {
     use candle_nn::{Module, ModuleT};
+    on_test_device();
     let before = CASES.with(|c| c.get());
     let strat = (setting(), dim(), 1usize..4, any::<u32>());
     runner()
@@ -991,11 +1019,7 @@ fn layers_on_any_batch() {
             );
             check("nn::linear", s, &seq, seed, |x| a.forward(&x[0]), |x| b.forward(&x[0]))?;
             // Embedding: n indices.
-            let ids = Tensor::new(
-                (0..n as u32).map(|i| i % 5).collect::<Vec<_>>().as_slice(),
-                &Device::Cpu,
-            )
-            .unwrap();
+            let ids = Tensor::new((0..n as u32).map(|i| i % 5).collect::<Vec<_>>().as_slice(), &dev()).unwrap();
             let (a, b) = layer_pair(
                 s.input_dtype(),
                 |vb| ann::embedding(5, c, vb),

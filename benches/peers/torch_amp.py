@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The bench example's MLP in PyTorch, for comparison: fp32 and autocast(bfloat16).
+"""The bench example's models in PyTorch, for comparison: fp32 and autocast.
 
 Same model (64-1024-1024-10, ReLU), data (the repository's digits, standardised with the
 training split's statistics), batch (512) and optimizer (AdamW, lr 1e-3, weight decay 0.01)
@@ -11,8 +11,27 @@ prints one JSON object on stdout (progress on stderr):
 
 Usage: python3 benches/peers/torch_amp.py [--threads N] [--steps N] [--rounds N]
 
+With `--device cuda` (or `--gpu-model`) it runs the GPU bench's transformer instead
+(`cargo run --release --features cuda --example bench -- --device cuda`): GPT-2 small (12
+pre-norm blocks, width 768, 12 heads, context 1024, vocabulary 50257, untied head, erf
+GELU, dropout 0, learned positions), the same batch (`--gpu-batch`, 8) and AdamW (lr 1e-4,
+weight decay 0.01), on random tokens, in fp32 (TF32 off, as candle), autocast float16 with
+GradScaler and autocast bfloat16, each from a fresh model: 2 warm-up steps, then the median
+of `--steps` (10) steps, each ended by a device synchronisation. One JSON object on stdout:
+
+    {"torch": "2.x", "device": "cuda", "gpu": "...", "transformer": {"layers": 12, ...,
+     "batch": 8}, "attention": "sdpa", "steps": 10, "warmup_steps": 2,
+     "modes": {"fp32": {"step_ms": .., "tokens_per_s": .., "peak_mib": ..},
+               "autocast_f16": {..}, "autocast_bf16": {..}}}
+
+`peak_mib` is `torch.cuda.max_memory_allocated` over the mode's run (null on the CPU).
+Attention is `F.scaled_dot_product_attention` (the fused kernel a PyTorch user gets);
+`--math-attention` writes it out as matmul, mask and softmax, as candle-amp computes it.
+`--device cpu --gpu-model tiny` runs the tiny sizes on the CPU.
+
 Pass the output to the bench example (`--torch FILE`) to get the PyTorch ratios in its
-targets. Needs torch (`pip install torch`); never run in CI.
+targets (the GPU bench checks the sizes and batch match). Needs torch (`pip install
+torch`); never run in CI.
 """
 
 import argparse
@@ -37,14 +56,147 @@ def load_digits(path):
     return xs, ys
 
 
+# The GPU bench's transformer sizes (examples/bench/gpu.rs, GpuModel::config).
+SIZES = {
+    "gpt2": {"layers": 12, "d_model": 768, "heads": 12, "context": 1024, "vocab": 50257},
+    "tiny": {"layers": 2, "d_model": 64, "heads": 4, "context": 32, "vocab": 256},
+}
+DEFAULT_BATCH = {"gpt2": 8, "tiny": 4}
+
+
+def transformer(a):
+    """The GPU bench's transformer in fp32 and autocast; prints its JSON object."""
+    import torch
+    import torch.nn.functional as F
+
+    dev = torch.device("cuda" if a.device == "cuda" else "cpu")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: torch sees no CUDA device")
+    torch.set_num_threads(a.threads)
+    # candle computes f32 products in full f32; so does the fp32 mode here.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    sz = dict(SIZES[a.gpu_model])
+    batch = a.gpu_batch or DEFAULT_BATCH[a.gpu_model]
+    d, heads, ctx, vocab = sz["d_model"], sz["heads"], sz["context"], sz["vocab"]
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1 = torch.nn.LayerNorm(d, eps=1e-5)
+            self.q, self.k, self.v, self.o = (torch.nn.Linear(d, d) for _ in range(4))
+            self.ln2 = torch.nn.LayerNorm(d, eps=1e-5)
+            self.up = torch.nn.Linear(d, 4 * d)
+            self.down = torch.nn.Linear(4 * d, d)
+
+        def split(self, x):
+            b, t, _ = x.shape
+            return x.view(b, t, heads, d // heads).transpose(1, 2)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            h = self.ln1(x)
+            q, k, v = self.split(self.q(h)), self.split(self.k(h)), self.split(self.v(h))
+            if a.math_attention:
+                s = (q @ k.transpose(-2, -1)) * (1.0 / (d // heads) ** 0.5)
+                mask = torch.full((t, t), float("-inf"), device=x.device).triu(1)
+                att = torch.softmax(s.float() + mask, dim=-1).to(v.dtype) @ v
+            else:
+                att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.o(att.transpose(1, 2).reshape(b, t, d))
+            return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+    class Gpt(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = torch.nn.Embedding(vocab, d)
+            self.pos = torch.nn.Parameter(torch.randn(ctx, d) * 0.02)
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(sz["layers"]))
+            self.ln = torch.nn.LayerNorm(d, eps=1e-5)
+            self.head = torch.nn.Linear(d, vocab)
+
+        def forward(self, ids):
+            x = self.tok(ids) + self.pos[: ids.shape[1]]
+            for blk in self.blocks:
+                x = blk(x)
+            return self.head(self.ln(x))
+
+    g = torch.Generator().manual_seed(5)
+    batches = []
+    for _ in range(2):
+        seq = torch.randint(0, vocab, (batch, ctx + 1), generator=g).to(dev)
+        batches.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def run(mode):
+        half = {"fp32": None, "autocast_f16": torch.float16, "autocast_bf16": torch.bfloat16}[mode]
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        torch.manual_seed(0)
+        model = Gpt().to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+        scaler = torch.amp.GradScaler(dev.type, enabled=half == torch.float16)
+        times = []
+        for i in range(2 + a.steps):
+            x, y = batches[i % len(batches)]
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(dev.type, dtype=half or torch.float32, enabled=half is not None):
+                logits = model(x)
+                loss = F.cross_entropy(logits.float().view(-1, vocab), y.view(-1))
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            sync()
+            if i >= 2:  # the first two steps warm up
+                times.append(time.perf_counter() - t0)
+        s = statistics.median(times)
+        peak = torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda" else None
+        del model, opt
+        return {"step_ms": s * 1e3, "tokens_per_s": batch * ctx / s, "peak_mib": peak}
+
+    modes = {}
+    for mode in ("fp32", "autocast_f16", "autocast_bf16"):
+        print(f"transformer {mode} ...", file=sys.stderr)
+        modes[mode] = run(mode)
+    out = {
+        "torch": torch.__version__,
+        "device": dev.type,
+        "gpu": torch.cuda.get_device_name(0) if dev.type == "cuda" else None,
+        "transformer": {**sz, "batch": batch},
+        "attention": "math" if a.math_attention else "sdpa",
+        "steps": a.steps,
+        "warmup_steps": 2,
+        "modes": modes,
+    }
+    print(json.dumps(out))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=20, help="timed steps per mode per round")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per mode (per round on the CPU MLP)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of both modes")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: the GPU bench's transformer (default cpu: the MLP)")
+    ap.add_argument("--gpu-model", choices=tuple(SIZES), default=None,
+                    help="the GPU bench's transformer sizes (implied gpt2 with --device cuda)")
+    ap.add_argument("--gpu-batch", type=int, default=None, help="sequences per transformer step")
+    ap.add_argument("--math-attention", action="store_true",
+                    help="attention as matmul, mask and softmax instead of the fused SDPA kernel")
     a = ap.parse_args()
+    if a.device == "cuda" or a.gpu_model is not None:
+        a.gpu_model = a.gpu_model or "gpt2"
+        a.steps = 10 if a.steps is None else a.steps
+        transformer(a)
+        return
+    a.steps = 20 if a.steps is None else a.steps
 
     import torch
 

@@ -3,6 +3,12 @@
 //! `cargo run --release --example bench -- [--json] [--threads N] [--steps N] [--quick]
 //! [--isa TIER] [--mallopt] [--kernels-only] [--torch FILE]`
 //!
+//! `... --device cuda [--gpu-model gpt2|tiny] [--gpu-batch N] [--steps N] [--torch FILE]`
+//! runs the GPU bench instead (`gpu.rs`, built with `--features cuda`): O0 to O3 in f16 and
+//! bf16 on the MLP and a GPT-2-small-sized transformer, and prints its JSON object on stdout
+//! whether or not `--json` is given (the table goes to stderr). `--device cpu --gpu-model
+//! tiny` runs the same code on the CPU with tiny sizes, in seconds (a smoke test).
+//!
 //! Prints a table to stderr and, with `--json`, one JSON object as the only stdout line:
 //! kernel bandwidths over 64 MiB buffers (GB/s counts bytes read plus bytes written), the
 //! 1024^3 matrix product per type, the median training step of the MLP 64-1024-1024-10
@@ -40,6 +46,7 @@ mod data;
 mod models;
 
 mod counting;
+mod gpu;
 mod machine;
 mod measure;
 mod report;
@@ -60,9 +67,16 @@ struct Args {
     torch: Option<String>,
     isa: Option<String>,
     mallopt: bool,
+    /// `--device`: `cpu` (the default) or `cuda`.
+    device: String,
+    /// `--gpu-model`: runs the GPU bench (implied by `--device cuda`).
+    gpu_model: Option<String>,
+    gpu_batch: Option<usize>,
+    /// Whether `--steps` was given (the GPU bench has its own default).
+    steps_given: bool,
 }
 
-const USAGE: &str = "usage: bench [--json] [--threads N] [--steps N] [--quick] [--isa TIER] [--mallopt] [--kernels-only] [--torch FILE]";
+const USAGE: &str = "usage: bench [--json] [--threads N] [--steps N] [--quick] [--isa TIER] [--mallopt] [--kernels-only] [--torch FILE] [--device cpu|cuda] [--gpu-model gpt2|tiny] [--gpu-batch N]";
 
 fn parse_args() -> Result<Args> {
     let mut a = Args {
@@ -74,6 +88,10 @@ fn parse_args() -> Result<Args> {
         torch: None,
         isa: None,
         mallopt: false,
+        device: "cpu".into(),
+        gpu_model: None,
+        gpu_batch: None,
+        steps_given: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(f) = it.next() {
@@ -83,19 +101,56 @@ fn parse_args() -> Result<Args> {
             "--kernels-only" => a.kernels_only = true,
             "--mallopt" => a.mallopt = true,
             "--threads" => a.threads = it.next().context("--threads N")?.parse()?,
-            "--steps" => a.steps = it.next().context("--steps N")?.parse()?,
+            "--steps" => {
+                a.steps = it.next().context("--steps N")?.parse()?;
+                a.steps_given = true;
+            }
             "--torch" => a.torch = Some(it.next().context("--torch FILE")?),
             "--isa" => a.isa = Some(it.next().context("--isa TIER")?),
+            "--device" => a.device = it.next().context("--device cpu|cuda")?,
+            "--gpu-model" => a.gpu_model = Some(it.next().context("--gpu-model gpt2|tiny")?),
+            "--gpu-batch" => a.gpu_batch = Some(it.next().context("--gpu-batch N")?.parse()?),
             other => bail!("unknown argument {other:?}; {USAGE}"),
         }
     }
     if a.threads == 0 || a.steps == 0 {
         bail!("--threads and --steps must be at least 1");
     }
+    let gpu = a.device != "cpu" || a.gpu_model.is_some();
+    if gpu && (a.quick || a.kernels_only) {
+        bail!("--quick and --kernels-only are the CPU bench's; the GPU bench shrinks with --gpu-model tiny");
+    }
+    if !gpu && a.gpu_batch.is_some() {
+        bail!("--gpu-batch sets the GPU bench's batch; add --device cuda or --gpu-model");
+    }
     if a.quick && a.torch.is_some() {
         bail!("--torch compares the full-size MLP; drop --quick");
     }
     Ok(a)
+}
+
+/// The GPU bench (`--device cuda`, or `--gpu-model` on any device): its JSON on stdout.
+fn gpu_main(a: &Args) -> Result<()> {
+    let device = gpu::parse_device(&a.device)?;
+    let model: gpu::GpuModel = a.gpu_model.as_deref().unwrap_or("gpt2").parse()?;
+    let batch = a.gpu_batch.unwrap_or(model.default_batch());
+    // Read the PyTorch figures first: a bad file fails before minutes of measuring.
+    let torch = match &a.torch {
+        Some(path) => Some(gpu::read_torch(path, &device, model, batch)?),
+        None => None,
+    };
+    let b = gpu::GpuBench {
+        device,
+        model,
+        batch,
+        steps: if a.steps_given { a.steps } else { 10 },
+        warmup: 2,
+        torch,
+    };
+    let out = gpu::run(&b)?;
+    gpu::print_table(&out);
+    println!("{out}");
+    Ok(())
 }
 
 fn main() -> Result<()> {
@@ -109,6 +164,9 @@ fn main() -> Result<()> {
     // SAFETY: no other thread exists yet.
     unsafe { std::env::set_var("RAYON_NUM_THREADS", a.threads.to_string()) };
     rayon::ThreadPoolBuilder::new().num_threads(a.threads).build_global()?;
+    if a.device != "cpu" || a.gpu_model.is_some() {
+        return gpu_main(&a);
+    }
     let (mib, reps, gsize, hidden, batch) = if a.quick {
         (4, 3, 256, 128, 64)
     } else {

@@ -93,10 +93,10 @@ pub fn gemm_gflops(size: usize, reps: usize) -> Result<Value> {
 }
 
 /// The benchmark MLP: 64 -> hidden -> hidden -> 10 with ReLU, from `candle_amp::nn`.
-struct Mlp(ann::Linear, ann::Linear, ann::Linear);
+pub struct Mlp(ann::Linear, ann::Linear, ann::Linear);
 
 impl Mlp {
-    fn new(vb: VarBuilder, input: usize, hidden: usize) -> candle_core::Result<Self> {
+    pub fn new(vb: VarBuilder, input: usize, hidden: usize) -> candle_core::Result<Self> {
         Ok(Self(
             ann::linear(input, hidden, vb.pp("fc1"))?,
             ann::linear(hidden, hidden, vb.pp("fc2"))?,

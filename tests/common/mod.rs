@@ -1,4 +1,5 @@
-//! Shared test helpers: a small model, seeded data, and plain-candle controls.
+//! Shared test helpers: the device the tests run on, dtype tolerances, a small model,
+//! seeded data, and plain-candle controls.
 #![allow(dead_code)]
 
 use candle_amp as amp;
@@ -6,6 +7,129 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{Linear, Module, VarBuilder, VarMap};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+
+/// The variable that chooses the device the behaviour tests build their tensors and models on.
+pub const DEVICE_VAR: &str = "CANDLE_AMP_TEST_DEVICE";
+
+/// The device named by `CANDLE_AMP_TEST_DEVICE`: `cpu` (the default, also when unset or
+/// empty) or `cuda` (GPU 0). Anything else, or `cuda` where candle has no CUDA, panics with a
+/// message naming the variable: a run asked for a device must never quietly test the CPU.
+///
+/// The device is made once per test binary: candle gives every `Device::new_cuda` call its
+/// own id, and tensors on two of them do not mix.
+pub fn device() -> Device {
+    static DEVICE: std::sync::OnceLock<Device> = std::sync::OnceLock::new();
+    DEVICE
+        .get_or_init(|| {
+            let value = std::env::var(DEVICE_VAR).unwrap_or_default();
+            match value.trim() {
+                "" | "cpu" => Device::Cpu,
+                "cuda" => Device::new_cuda(0).unwrap_or_else(|e| {
+                    panic!("{DEVICE_VAR}={value:?}, but CUDA device 0 cannot be opened ({e}); build the tests with `--features cuda` on a machine with an NVIDIA GPU, or unset {DEVICE_VAR}")
+                }),
+                _ => panic!("{DEVICE_VAR}={value:?} is not a device; use `cpu` (the default) or `cuda`"),
+            }
+        })
+        .clone()
+}
+
+/// Whether the tests run on the CPU.
+pub fn on_cpu() -> bool {
+    device().is_cpu()
+}
+
+/// Whether the CPU's fused kernels do the work, which makes comparisons with candle's ops
+/// bit-exact: on the CPU unless `CANDLE_AMP_FORCE_DEVICE_PATH` (`1` or `true`) sends it down
+/// the device path's tensor ops, which round apart as a GPU's do.
+pub fn cpu_kernels() -> bool {
+    let forced = std::env::var("CANDLE_AMP_FORCE_DEVICE_PATH").is_ok_and(|v| v == "1" || v == "true");
+    on_cpu() && !forced
+}
+
+/// Relative tolerance for a value computed in `dtype` by kernels other than the CPU's
+/// (another summation order, cuBLAS instead of gemm): a few units of the type's last place,
+/// with room for a few steps of training to compound them.
+pub fn tol(dtype: DType) -> f32 {
+    match dtype {
+        DType::F16 => 4e-3,
+        DType::BF16 => 3e-2,
+        DType::F64 => 1e-10,
+        _ => 1e-4,
+    }
+}
+
+/// The tolerance for a comparison that is bit-exact with the CPU kernels: 0 there (so the
+/// CPU keeps its exact assertion), [`tol`] on any other device or path.
+pub fn cross_tol(dtype: DType) -> f32 {
+    if cpu_kernels() { 0.0 } else { tol(dtype) }
+}
+
+/// A tolerance that is `cpu` with the CPU kernels and at least [`tol`] elsewhere: for
+/// comparisons against a plain-candle control that the CPU kernels meet to within `cpu`.
+pub fn cpu_or_tol(cpu: f32, dtype: DType) -> f32 {
+    if cpu_kernels() { cpu } else { cpu.max(tol(dtype)) }
+}
+
+/// Asserts `a` and `b` are equal, or within `rel` relative (`|a-b| <= rel * max(|b|, 1)`)
+/// where `rel` is not 0: for comparisons exact on the CPU, called with [`cross_tol`].
+pub fn assert_close(a: &[f32], b: &[f32], rel: f32, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    if rel == 0.0 {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(a), bits(b), "{what}: bit-identical on the CPU");
+        return;
+    }
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        let close = (x.is_nan() && y.is_nan()) || x == y || (x - y).abs() <= rel * y.abs().max(1.0);
+        assert!(close, "{what}: element {i}: {x} vs {y} (relative tolerance {rel})");
+    }
+}
+
+/// [`assert_close`] over two maps of bit patterns (as [`f32_bits`] and [`working_bits`]
+/// return), key by key.
+pub fn assert_bits_close(
+    a: &std::collections::BTreeMap<String, Vec<u32>>,
+    b: &std::collections::BTreeMap<String, Vec<u32>>,
+    rel: f32,
+    what: &str,
+) {
+    assert_eq!(
+        a.keys().collect::<Vec<_>>(),
+        b.keys().collect::<Vec<_>>(),
+        "{what}: names"
+    );
+    let f = |v: &[u32]| v.iter().map(|b| f32::from_bits(*b)).collect::<Vec<_>>();
+    for (k, va) in a {
+        assert_close(&f(va), &f(&b[k]), rel, &format!("{what}: {k}"));
+    }
+}
+
+/// [`assert_close`] over two maps of values (as [`store_values`] and [`varmap_values`]
+/// return), key by key.
+pub fn assert_values_close(
+    a: &std::collections::BTreeMap<String, Vec<f32>>,
+    b: &std::collections::BTreeMap<String, Vec<f32>>,
+    rel: f32,
+    what: &str,
+) {
+    assert_eq!(
+        a.keys().collect::<Vec<_>>(),
+        b.keys().collect::<Vec<_>>(),
+        "{what}: names"
+    );
+    for (k, va) in a {
+        assert_close(va, &b[k], rel, &format!("{what}: {k}"));
+    }
+}
+
+/// [`amp::initialize`] on the test device.
+pub fn initialize<M>(
+    build: impl FnOnce(VarBuilder<'static>) -> candle_core::Result<M>,
+    optimizer: impl amp::optim::Optimizer + 'static,
+    config: impl Into<amp::AmpConfig>,
+) -> amp::Result<(amp::AmpModel<M>, amp::AmpOptimizer, amp::Amp)> {
+    amp::initialize_on(build, optimizer, config, &device())
+}
 
 /// PyTorch's scaling harness model: Linear(8, 8) -> Linear(8, 8).
 pub struct TwoLinear {
@@ -49,7 +173,7 @@ impl Module for AmpTwoLinear {
     }
 }
 
-/// `n` seeded batches of (input, target), each 16x8, in f32.
+/// `n` seeded batches of (input, target), each 16x8, in f32, on the test device.
 pub fn batches(n: usize, seed: u64) -> Vec<(Tensor, Tensor)> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     (0..n)
@@ -57,8 +181,8 @@ pub fn batches(n: usize, seed: u64) -> Vec<(Tensor, Tensor)> {
             let x: Vec<f32> = (0..128).map(|_| rng.random_range(-1.0..1.0)).collect();
             let y: Vec<f32> = (0..128).map(|_| rng.random_range(-1.0..1.0)).collect();
             (
-                Tensor::from_vec(x, (16, 8), &Device::Cpu).unwrap(),
-                Tensor::from_vec(y, (16, 8), &Device::Cpu).unwrap(),
+                Tensor::from_vec(x, (16, 8), &device()).unwrap(),
+                Tensor::from_vec(y, (16, 8), &device()).unwrap(),
             )
         })
         .collect()
@@ -79,7 +203,7 @@ pub fn f32_copy(store: &amp::ParamStore) -> VarMap {
 }
 
 pub fn vb_of(vm: &VarMap) -> VarBuilder<'static> {
-    VarBuilder::from_varmap(vm, DType::F32, &Device::Cpu)
+    VarBuilder::from_varmap(vm, DType::F32, &device())
 }
 
 /// Values of a VarMap by name, as flat f32 vectors.
