@@ -172,11 +172,9 @@ pub fn read_torch(path: &str, dev: &Device, model: GpuModel, batch: usize) -> Re
 }
 
 /// The run's host synchronisations so far.
-// TODO(host_syncs): `Amp::host_syncs() -> u64` is the lead's per-run counter (issue 17) and
-// is not in this tree yet; once it is, return `Some(amp.host_syncs())`. Until then the
-// bench reports `host_syncs_per_step: null` and the sync target as unknown.
-fn host_syncs(_amp: &Amp) -> Option<u64> {
-    None
+/// The run's host reads of device values so far (the device path's synchronisations).
+fn host_syncs(amp: &Amp) -> Option<u64> {
+    Some(amp.host_syncs())
 }
 
 /// Reads the peak device memory of one level's run.
@@ -403,7 +401,7 @@ pub fn run(b: &GpuBench) -> Result<Value> {
         "gpu": gpu_name(&b.device),
         "gpu_model": b.model.name(),
         "memory_source": memory_source(&b.device),
-        "host_syncs_source": "TODO: Amp::host_syncs is not in this build; null until it is",
+        "host_syncs_source": "Amp::host_syncs (reads of device values on the step path)",
         "steps": b.steps,
         "warmup_steps": b.warmup,
         "optimizer": "AdamW lr 1e-4, weight decay 0.01",
