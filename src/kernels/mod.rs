@@ -39,6 +39,7 @@ mod norm;
 mod relu;
 mod simd;
 pub(crate) mod slices;
+mod softmax;
 pub(crate) mod unscale;
 
 pub use cast::{cast, cast_into};
@@ -48,6 +49,7 @@ pub use matmul::{linear, matmul};
 pub use norm::{layer_norm, rms_norm};
 pub use relu::relu;
 pub use slices::{AdamWStep, HalfOut, adamw};
+pub use softmax::scaled_softmax;
 pub use unscale::unscale_check_into;
 
 /// The instruction set the kernels use now: what the CPU has, or lower after [`force_isa`].

@@ -33,6 +33,18 @@ pub fn scaled_dot_product_attention(
         &k.transpose(candle_core::D::Minus2, candle_core::D::Minus1)?
             .contiguous()?,
     )?;
+    if mask.is_none() && autocast::eligible(scores.dtype()) {
+        // One op: scale, causal mask and softmax in f32, written in the type the product with
+        // `v` runs in (the autocast half type under autocast, where the product would cast
+        // f32 probabilities to it anyway; else `v`'s), keeping only its input and output for
+        // the backward.
+        let out = match autocast::current() {
+            Some(p) if autocast::is_enabled() => p.half(),
+            _ => v.dtype(),
+        };
+        let probs = crate::kernels::scaled_softmax(&scores, scale, causal, out)?;
+        return ops::matmul(&probs, v);
+    }
     // f32 for the mask and softmax (f64 stays f64).
     let sdt = if autocast::eligible(scores.dtype()) {
         DType::F32

@@ -313,12 +313,19 @@ pub fn cumsum(x: &Tensor, dim: usize) -> Result<Tensor> {
 }
 
 fn softmax_f32(x: &Tensor, dim: usize) -> Result<Tensor> {
+    // An empty tensor's softmax is empty (PyTorch's; candle's reduce fails).
+    if x.elem_count() == 0 {
+        return Ok(x.clone());
+    }
     let m = x.max_keepdim(dim)?.detach();
     let e = x.broadcast_sub(&m)?.exp()?;
     e.broadcast_div(&e.sum_keepdim(dim)?)
 }
 
 fn log_softmax_f32(x: &Tensor, dim: usize) -> Result<Tensor> {
+    if x.elem_count() == 0 {
+        return Ok(x.clone());
+    }
     let m = x.max_keepdim(dim)?.detach();
     let shifted = x.broadcast_sub(&m)?;
     shifted.broadcast_sub(&shifted.exp()?.sum_keepdim(dim)?.log()?)

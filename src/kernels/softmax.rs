@@ -1,0 +1,327 @@
+//! Attention's softmax as one op: `softmax(x * scale)` over the last dimension, optionally
+//! causal (key `j > query i` masked), computed in f32 whatever the input's type and written
+//! in the type the next product wants, with a backward that needs only the output.
+//!
+//! Composed from candle ops, the same softmax keeps an f32 copy of the scores, the scaled
+//! scores, the masked scores, the exponentials and the probabilities alive for the backward
+//! (about 20 bytes per score); at O2 the half scores' cast to f32 adds to that, so a half
+//! level held more attention memory than O0. Here the graph keeps the input and the output
+//! (2 + 2 bytes per score in half), and the forward is one pass per row.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, D, DType, Layout, Result, Shape, Tensor};
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+/// Rows per rayon task (a row of a 1024-long sequence is 4 KiB of f32).
+const ROWS_PER_TASK: usize = 16;
+
+/// Slice conversions to and from f32 (the half crate's are vectorised at run time).
+trait Elem: Copy + Send + Sync + Default {
+    fn to_f32(src: &[Self], dst: &mut [f32]);
+    fn from_f32(src: &[f32], dst: &mut [Self]);
+}
+
+impl Elem for f32 {
+    fn to_f32(src: &[Self], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+    fn from_f32(src: &[f32], dst: &mut [Self]) {
+        dst.copy_from_slice(src);
+    }
+}
+
+impl Elem for f16 {
+    fn to_f32(src: &[Self], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+    fn from_f32(src: &[f32], dst: &mut [Self]) {
+        dst.convert_from_f32_slice(src);
+    }
+}
+
+impl Elem for bf16 {
+    fn to_f32(src: &[Self], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+    fn from_f32(src: &[f32], dst: &mut [Self]) {
+        dst.convert_from_f32_slice(src);
+    }
+}
+
+/// One row in place: the first `live` values are scaled and normalised, the rest (masked)
+/// become 0. The operations and their order are the composed softmax's: scale, subtract
+/// the row's maximum, exponentiate, divide by the sum.
+fn row(x: &mut [f32], live: usize, scale: f32) {
+    let (live, dead) = x.split_at_mut(live);
+    let mut m = f32::NEG_INFINITY;
+    for v in live.iter_mut() {
+        *v *= scale;
+        m = m.max(*v);
+    }
+    let mut s = 0f32;
+    for v in live.iter_mut() {
+        *v = (*v - m).exp();
+        s += *v;
+    }
+    for v in live.iter_mut() {
+        *v /= s;
+    }
+    dead.fill(0.0);
+}
+
+fn run<I: Elem, O: Elem>(x: &[I], cols: usize, rows_per_matrix: usize, scale: f32, causal: bool) -> Vec<O> {
+    let mut out = vec![O::default(); x.len()];
+    out.par_chunks_mut(cols * ROWS_PER_TASK)
+        .zip(x.par_chunks(cols * ROWS_PER_TASK))
+        .enumerate()
+        .for_each(|(task, (o, x))| {
+            let mut buf = vec![0f32; cols];
+            for (r, (o, x)) in o.chunks_mut(cols).zip(x.chunks(cols)).enumerate() {
+                let i = (task * ROWS_PER_TASK + r) % rows_per_matrix;
+                I::to_f32(x, &mut buf);
+                row(&mut buf, if causal { (i + 1).min(cols) } else { cols }, scale);
+                O::from_f32(&buf, o);
+            }
+        });
+    out
+}
+
+struct ScaledSoftmax {
+    scale: f32,
+    causal: bool,
+    out: DType,
+}
+
+fn typed<I: Elem>(x: &[I], cols: usize, rows: usize, op: &ScaledSoftmax) -> Result<CpuStorage> {
+    let (s, c) = (op.scale, op.causal);
+    Ok(match op.out {
+        DType::F32 => CpuStorage::F32(run(x, cols, rows, s, c)),
+        DType::F16 => CpuStorage::F16(run(x, cols, rows, s, c)),
+        DType::BF16 => CpuStorage::BF16(run(x, cols, rows, s, c)),
+        other => candle_core::bail!("amp-softmax: {other:?} output"),
+    })
+}
+
+impl CustomOp1 for ScaledSoftmax {
+    fn name(&self) -> &'static str {
+        "amp-scaled-softmax"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (a, b) = l
+            .contiguous_offsets()
+            .ok_or_else(|| candle_core::Error::Msg("amp-softmax: the input must be contiguous".into()))?;
+        let dims = l.shape().dims();
+        let cols = dims.last().copied().unwrap_or(1);
+        let rows = if dims.len() >= 2 { dims[dims.len() - 2] } else { 1 };
+        if cols == 0 || b == a {
+            let empty = match self.out {
+                DType::F16 => CpuStorage::F16(Vec::new()),
+                DType::BF16 => CpuStorage::BF16(Vec::new()),
+                _ => CpuStorage::F32(Vec::new()),
+            };
+            return Ok((empty, l.shape().clone()));
+        }
+        let out = match s {
+            CpuStorage::F32(v) => typed(&v[a..b], cols, rows, self)?,
+            CpuStorage::F16(v) => typed(&v[a..b], cols, rows, self)?,
+            CpuStorage::BF16(v) => typed(&v[a..b], cols, rows, self)?,
+            other => candle_core::bail!("amp-softmax: {:?} input", other.dtype()),
+        };
+        Ok((out, l.shape().clone()))
+    }
+
+    /// `dx = scale * y * (dy - sum(dy * y))` in f32, from the output alone (masked entries
+    /// have `y = 0`, so their gradient is 0), returned in the input's type.
+    fn bwd(&self, arg: &Tensor, res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        let y = res.to_dtype(DType::F32)?;
+        let dy = grad_res.to_dtype(DType::F32)?;
+        let dot = (&dy * &y)?.sum_keepdim(D::Minus1)?;
+        let dx = (y * dy.broadcast_sub(&dot)?)?.affine(self.scale as f64, 0.0)?;
+        Ok(Some(dx.to_dtype(arg.dtype())?))
+    }
+}
+
+/// `softmax(x * scale)` over the last dimension, keys after the query masked when `causal`
+/// (then the last two dimensions must be equal: query `i` sees keys `j <= i`), computed in
+/// f32 and returned as `out`. Differentiable. On the CPU for f32, f16 and bf16 in and out, one
+/// op whose backward needs only its output; elsewhere (and inside [`super::plain`]) the same
+/// arithmetic composed from candle ops. A row whose scores hold an inf or NaN comes out NaN,
+/// as the composed softmax's does, so an overflow in the scores is not hidden. Over an empty
+/// last dimension the result is empty, as PyTorch's softmax.
+///
+/// ```
+/// use candle_amp::kernels;
+/// use candle_core::{DType, Device, Tensor};
+/// # fn main() -> candle_core::Result<()> {
+/// let x = Tensor::new(&[[0f32, 0.], [1., 1.]], &Device::Cpu)?.to_dtype(DType::F16)?;
+/// let p = kernels::scaled_softmax(&x, 1.0, true, DType::F32)?;
+/// assert_eq!(p.to_vec2::<f32>()?, [[1.0, 0.0], [0.5, 0.5]]);
+/// # Ok(()) }
+/// ```
+pub fn scaled_softmax(x: &Tensor, scale: f64, causal: bool, out: DType) -> Result<Tensor> {
+    let half_or_f32 = |d: DType| matches!(d, DType::F32 | DType::F16 | DType::BF16);
+    let dims = x.dims();
+    if causal && (dims.len() < 2 || dims[dims.len() - 1] != dims[dims.len() - 2]) {
+        candle_core::bail!(
+            "scaled_softmax: a causal softmax needs square trailing dimensions (queries = keys), got {:?}",
+            dims
+        );
+    }
+    if x.rank() == 0 {
+        candle_core::bail!("scaled_softmax: needs at least one dimension");
+    }
+    if super::enabled() && x.device().is_cpu() && half_or_f32(x.dtype()) && half_or_f32(out) {
+        let x = x.contiguous()?;
+        return x.apply_op1(ScaledSoftmax {
+            scale: scale as f32,
+            causal,
+            out,
+        });
+    }
+    composed(x, scale, causal, out)
+}
+
+/// The same softmax from candle ops (other devices, other types, the plain path).
+fn composed(x: &Tensor, scale: f64, causal: bool, out: DType) -> Result<Tensor> {
+    // An empty tensor's softmax is empty (PyTorch's; candle's reduce would fail).
+    if x.elem_count() == 0 {
+        return x.to_dtype(out);
+    }
+    let wide = if x.dtype() == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let mut s = (x.to_dtype(wide)? * scale)?;
+    if causal {
+        let t = x.dim(D::Minus1)?;
+        let v: Vec<f32> = (0..t * t)
+            .map(|k| if k % t > k / t { f32::NEG_INFINITY } else { 0.0 })
+            .collect();
+        let mask = Tensor::from_vec(v, (t, t), x.device())?.to_dtype(wide)?;
+        s = s.broadcast_add(&mask)?;
+    }
+    let d = s.rank() - 1;
+    let m = s.max_keepdim(d)?.detach();
+    let e = s.broadcast_sub(&m)?.exp()?;
+    e.broadcast_div(&e.sum_keepdim(d)?)?.to_dtype(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    fn input(shape: &[usize], seed: u32) -> Tensor {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n)
+            .map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) % 1000) as f32 / 125.0 - 4.0)
+            .collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap())
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
+    /// Value and input gradient (of `sum(p * w)`), fused and composed, for every type pair.
+    #[test]
+    fn equals_the_composed_softmax_with_its_gradient() {
+        for (shape, causal) in [
+            (vec![2, 3, 5, 5], true),
+            (vec![4, 7], false),
+            (vec![3, 1, 1], true),
+            (vec![2, 33, 33], true),
+        ] {
+            for dt in [DType::F32, DType::F16, DType::BF16] {
+                for out in [DType::F32, DType::F16, DType::BF16] {
+                    let x = Var::from_tensor(&input(&shape, 3).to_dtype(dt).unwrap()).unwrap();
+                    let w = input(&shape, 9);
+                    let run = |fused: bool| {
+                        let _plain = (!fused).then(crate::kernels::plain);
+                        let p = scaled_softmax(x.as_tensor(), 0.37, causal, out).unwrap();
+                        assert_eq!((p.dtype(), p.dims()), (out, &shape[..]));
+                        let loss = (p.to_dtype(DType::F32).unwrap() * &w).unwrap().sum_all().unwrap();
+                        let g = loss.backward().unwrap().get(x.as_tensor()).unwrap().clone();
+                        (p, g)
+                    };
+                    let (pf, gf) = run(true);
+                    let (pc, gc) = run(false);
+                    let what = format!("{shape:?} causal {causal} {dt:?} -> {out:?}");
+                    // One rounding of the output type apart at most (f32: sums in another order).
+                    let tol = match out {
+                        DType::F32 => 1e-6,
+                        DType::F16 => 1e-3,
+                        _ => 8e-3,
+                    };
+                    assert!(max_diff(&pf, &pc) <= tol, "{what}: values {}", max_diff(&pf, &pc));
+                    assert_eq!(gf.dtype(), dt, "{what}");
+                    let gtol = match (dt, out) {
+                        (DType::F32, DType::F32) => 1e-5,
+                        _ => 3e-2,
+                    };
+                    assert!(max_diff(&gf, &gc) <= gtol, "{what}: gradients {}", max_diff(&gf, &gc));
+                    if causal {
+                        // Above the diagonal: probability 0, gradient 0.
+                        let p = pf
+                            .to_dtype(DType::F32)
+                            .unwrap()
+                            .flatten_all()
+                            .unwrap()
+                            .to_vec1::<f32>()
+                            .unwrap();
+                        let t = shape[shape.len() - 1];
+                        for (k, v) in p.iter().enumerate() {
+                            if k % t > (k / t) % t {
+                                assert_eq!(*v, 0.0, "{what} at {k}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_non_finite_score_makes_its_row_nan_and_only_it() {
+        let mut v = vec![0.5f32; 12];
+        v[5] = f32::INFINITY;
+        let x = Tensor::from_vec(v, (3, 4), &Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::F16)
+            .unwrap();
+        let p = scaled_softmax(&x, 1.0, false, DType::F32)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        assert!(p[1].iter().all(|v| v.is_nan()), "{p:?}");
+        assert!(p[0].iter().chain(&p[2]).all(|v| (v - 0.25).abs() < 1e-7), "{p:?}");
+    }
+
+    #[test]
+    fn empty_and_bad_shapes() {
+        let x = Tensor::zeros((2, 0, 0), DType::F16, &Device::Cpu).unwrap();
+        assert_eq!(scaled_softmax(&x, 1.0, true, DType::F16).unwrap().dims(), [2, 0, 0]);
+        let x = Tensor::zeros((0, 5), DType::F32, &Device::Cpu).unwrap();
+        assert_eq!(scaled_softmax(&x, 1.0, false, DType::BF16).unwrap().dims(), [0, 5]);
+        let x = Tensor::zeros((3, 5), DType::F32, &Device::Cpu).unwrap();
+        assert!(
+            scaled_softmax(&x, 1.0, true, DType::F32).is_err(),
+            "causal needs queries = keys"
+        );
+        let x = Tensor::new(1f32, &Device::Cpu).unwrap();
+        assert!(scaled_softmax(&x, 1.0, false, DType::F32).is_err());
+    }
+}
