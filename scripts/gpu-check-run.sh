@@ -9,9 +9,9 @@
 # Unpacks the binaries, finds the CUDA libraries in Python's site-packages, runs every test
 # binary with CANDLE_AMP_TEST_DEVICE=cuda (pass/fail counts per binary), then the bench on
 # CUDA, and prints ONE JSON object on stdout (progress on stderr). Everything together stays
-# under 10 minutes: each binary gets a share of the time left, and a binary that runs out of
-# it is stopped and reported as timed out. Exit status 0 when every test passed and the bench
-# gave its JSON.
+# under 10 minutes: each binary gets what the others leave (at most 4 minutes), and a binary
+# that runs out of it is stopped and reported as timed out. Exit status 0 when every test
+# passed and the bench gave its JSON.
 set -uo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 log() { echo "run.sh: $*" >&2; }
@@ -19,6 +19,7 @@ now() { date +%s; }
 start=$(now)
 budget=${GPU_CHECK_BUDGET_S:-570}   # the whole run, seconds
 bench_reserve=150                  # kept for the bench while the tests run
+per_binary_cap=240                 # the most one test binary may take
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/candle-amp-gpu-run.XXXXXX")
 trap 'rm -rf "$work"' EXIT
@@ -69,11 +70,11 @@ bins=$(cd "$work/tests" && ls | LC_ALL=C sort)
 count=$(echo "$bins" | wc -w)
 i=0
 for name in $bins; do
-    left=$((budget - bench_reserve - ($(now) - start)))
-    share=$((left / (count - i)))
-    # A binary may use what earlier fast ones left, but never the bench's reserve.
-    limit=$((left < 2 * share ? left : 2 * share))
     i=$((i + 1))
+    # A binary may use what the others leave (most take seconds; a CPU-bound one minutes),
+    # up to a cap, but never the bench's reserve nor 10 s for each binary still to come.
+    limit=$((budget - bench_reserve - ($(now) - start) - 10 * (count - i)))
+    [ "$limit" -le "$per_binary_cap" ] || limit=$per_binary_cap
     if [ "$limit" -lt 5 ]; then
         printf '%s\t%s\t%s\n' "$name" "skipped" 0 >> "$work/tests.tsv"
         continue
