@@ -23,7 +23,9 @@ out="$repo/target/gpu-check"
 limit=$((64 * 1024 * 1024))
 log() { echo "gpu-check: $*" >&2; }
 
-eval "$(bash scripts/cuda-env.sh)"
+# Through a variable: `eval "$(...)"` would hide the script's failure from `set -e`.
+cuda_env=$(bash scripts/cuda-env.sh)
+eval "$cuda_env"
 export CARGO_TERM_COLOR=never
 stage=$(mktemp -d "${TMPDIR:-/tmp}/candle-amp-gpu-check.XXXXXX")
 trap 'rm -rf "$stage"' EXIT
