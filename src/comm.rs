@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Tensor};
 
 use crate::error::{AmpError, DistErrorKind, Result};
 
@@ -52,14 +52,19 @@ pub trait Communicator: Send + Sync + std::fmt::Debug {
         Ok(())
     }
 
-    /// [`all_reduce_sum`](Self::all_reduce_sum) of an f32 tensor on any device, returning
-    /// the sum on the same device. The default goes through host memory; a device backend
-    /// (NCCL) reduces in device memory.
+    /// Sums a 1-d f32 tensor element-wise across ranks and returns the sum on the tensor's device.
+    ///
+    /// Every rank passes a tensor of the same length; every rank gets the same values, bit
+    /// for bit. Any other type or rank is an [`AmpError::InvalidArgument`] before anything
+    /// is sent (convert with `to_dtype(DType::F32)`, flatten with `flatten_all`). The
+    /// default goes through host memory (`to_vec1`, [`all_reduce_sum`](Self::all_reduce_sum),
+    /// a new tensor on `t`'s device); a device backend overrides it to reduce in device
+    /// memory (`NcclComm`: no host copy, no synchronisation).
     fn all_reduce_sum_tensor(&self, t: &Tensor) -> Result<Tensor> {
-        let mut v = t.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?;
+        check_sum_tensor(t)?;
+        let mut v = t.to_vec1::<f32>()?;
         self.all_reduce_sum(&mut v)?;
-        let host = Tensor::from_vec(v, t.shape(), &Device::Cpu)?;
-        Ok(host.to_device(t.device())?)
+        Ok(Tensor::from_vec(v, t.elem_count(), t.device())?)
     }
 
     /// Copies rank `root`'s `buf` into every rank's `buf` (all the same length).
@@ -288,6 +293,29 @@ fn check_len(rank: usize, op: &str, all: &[(&'static str, Vec<u8>)], n: usize) -
     }
 }
 
+/// What [`Communicator::all_reduce_sum_tensor`] accepts: a 1-d f32 tensor.
+pub(crate) fn check_sum_tensor(t: &Tensor) -> Result<()> {
+    if t.dtype() != DType::F32 {
+        return Err(AmpError::InvalidArgument {
+            argument: "t",
+            reason: format!(
+                "all_reduce_sum_tensor sums f32 tensors, got {:?}: convert it with to_dtype(DType::F32) first",
+                t.dtype()
+            ),
+        });
+    }
+    if t.rank() != 1 {
+        return Err(AmpError::InvalidArgument {
+            argument: "t",
+            reason: format!(
+                "all_reduce_sum_tensor sums 1-d tensors, got shape {:?}: flatten it with flatten_all first",
+                t.dims()
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// A root outside the group (checked before any rank waits on it).
 pub(crate) fn check_root(c: &dyn Communicator, root: usize) -> Result<()> {
     if root >= c.world_size() {
@@ -350,6 +378,74 @@ impl Communicator for LocalComm {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::Device;
+
+    /// The device the tests run on: `CANDLE_AMP_TEST_DEVICE=cuda` (with the `cuda` feature)
+    /// or the CPU.
+    fn test_device() -> Device {
+        match std::env::var("CANDLE_AMP_TEST_DEVICE").as_deref() {
+            #[cfg(feature = "cuda")]
+            Ok("cuda") => Device::new_cuda(0).expect("CANDLE_AMP_TEST_DEVICE=cuda needs a CUDA device"),
+            _ => Device::Cpu,
+        }
+    }
+
+    #[test]
+    fn the_default_tensor_all_reduce_sums_on_the_tensors_device_and_refuses_other_types() {
+        let dev = test_device();
+        let comms = LocalGroup::with_timeout(2, Duration::from_secs(60));
+        let results: Vec<(Tensor, Tensor, Vec<AmpError>, Tensor)> = std::thread::scope(|s| {
+            let handles: Vec<_> = comms
+                .iter()
+                .map(|c| {
+                    let dev = dev.clone();
+                    s.spawn(move || {
+                        let r = c.rank() as f32;
+                        let t = Tensor::new(&[r + 1.0, 10.0 * (r + 1.0), -0.5, 0.25 * r], &dev).unwrap();
+                        let sum = c.all_reduce_sum_tensor(&t).unwrap();
+                        let empty = c
+                            .all_reduce_sum_tensor(&Tensor::zeros(0, DType::F32, &dev).unwrap())
+                            .unwrap();
+                        // Refused on rank 0 only: had either call entered the collective, the
+                        // ranks' next collectives would pair wrongly and fail.
+                        let refused = if c.rank() == 0 {
+                            vec![
+                                c.all_reduce_sum_tensor(&t.to_dtype(DType::F16).unwrap()).unwrap_err(),
+                                c.all_reduce_sum_tensor(&t.reshape((2, 2)).unwrap()).unwrap_err(),
+                            ]
+                        } else {
+                            Vec::new()
+                        };
+                        let after = c.all_reduce_sum_tensor(&t.affine(1.0, 1.0).unwrap()).unwrap();
+                        (sum, empty, refused, after)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, (sum, empty, refused, after)) in results.iter().enumerate() {
+            for t in [sum, empty, after] {
+                assert!(t.device().same_device(&dev), "rank {rank}: {:?}", t.device());
+                assert_eq!(t.dtype(), DType::F32);
+            }
+            assert_eq!(sum.to_vec1::<f32>().unwrap(), [3.0, 30.0, -1.0, 0.25], "rank {rank}");
+            assert_eq!(after.to_vec1::<f32>().unwrap(), [5.0, 32.0, 1.0, 2.25], "rank {rank}");
+            assert_eq!(empty.dims(), [0]);
+            for e in refused {
+                assert!(
+                    matches!(e, AmpError::InvalidArgument { argument: "t", .. }),
+                    "rank {rank}: {e}"
+                );
+            }
+        }
+        let msgs: Vec<String> = results[0].2.iter().map(|e| e.to_string()).collect();
+        assert!(msgs[0].contains("F16") && msgs[0].contains("to_dtype"), "{}", msgs[0]);
+        assert!(
+            msgs[1].contains("[2, 2]") && msgs[1].contains("flatten_all"),
+            "{}",
+            msgs[1]
+        );
+    }
 
     /// Spins until `at` (sleeping is too coarse for the windows this test aims at).
     fn spin_until(at: Instant) {

@@ -1,19 +1,27 @@
 //! The NCCL backend (feature `nccl`): one process per CUDA GPU, collectives in device
-//! memory through candle's `nccl` feature (cudarc).
+//! memory through candle's `nccl` feature (cudarc's NCCL bindings).
 //!
-//! Unbuilt here: it needs the CUDA toolkit, which the development and CI machines lack, so
-//! it is kept out of the CPU build and out of `clippy` (`--features mpi`, never
-//! `--all-features`). NCCL collectives block until every rank joins; its own watchdog
-//! (`NCCL_TIMEOUT` in recent NCCL) rather than this crate's timeout decides when a dead rank
-//! is reported.
+//! [`Communicator::all_reduce_sum_tensor`] reduces a tensor's device buffer in place of the
+//! host round trip the trait's default takes: a custom op whose CUDA forward hands the
+//! tensor's slice to `ncclAllReduce` on candle's stream and wraps the result as a new
+//! tensor (as candle's `llama_multiprocess` example does), so it is ordered after the ops
+//! that produced the input and before those that use the sum, with no host synchronisation.
+//! The slice methods ([`Communicator::all_reduce_sum`], broadcasts) stage host buffers
+//! through the device, since NCCL only reads device memory.
+//!
+//! Compiled and linted in CI (`--features cuda,nccl`, with the PyPI CUDA toolchain of
+//! `scripts/cuda-env.sh`), not yet run on GPUs. NCCL collectives block until every rank
+//! joins: NCCL's own watchdog (`NCCL_TIMEOUT` in recent NCCL) rather than this crate's
+//! timeout decides when a dead rank is reported.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::CudaStream;
 use candle_core::cuda_backend::cudarc::nccl::{Comm, Id, ReduceOp};
-use candle_core::{Device, Tensor};
+use candle_core::{CpuStorage, CudaStorage, CustomOp1, Device, Layout, Shape, Tensor};
 
-use crate::comm::{Communicator, check_root};
+use crate::comm::{Communicator, check_root, check_sum_tensor};
 use crate::error::{AmpError, DistErrorKind, Result};
 
 /// The NCCL unique id every rank must share (rank 0 makes it, then sends its bytes to the
@@ -34,13 +42,16 @@ impl NcclId {
         self.0.internal().iter().map(|&c| c as u8).collect()
     }
 
-    /// The id from rank 0's bytes.
+    /// The id from rank 0's bytes (128 of them, as [`to_bytes`](Self::to_bytes) gives).
     pub fn from_bytes(b: &[u8]) -> Result<Self> {
-        let mut internal = [0 as std::ffi::c_char; 128];
+        let mut internal: [std::ffi::c_char; 128] = [0; 128];
         if b.len() != internal.len() {
             return Err(AmpError::InvalidArgument {
                 argument: "bytes",
-                reason: format!("an NCCL id has 128 bytes, got {}", b.len()),
+                reason: format!(
+                    "an NCCL id has 128 bytes, got {}: pass rank 0's NcclId::to_bytes unchanged",
+                    b.len()
+                ),
             });
         }
         for (d, s) in internal.iter_mut().zip(b) {
@@ -61,14 +72,16 @@ fn backend(rank: usize, detail: String) -> AmpError {
 /// A rank of an NCCL group on one CUDA device.
 pub struct NcclComm {
     comm: Mutex<Comm>,
+    /// The device's candle stream: the communicator enqueues on it, so collectives are
+    /// ordered with candle's own work on the device.
     stream: Arc<CudaStream>,
     device: Device,
     rank: usize,
     size: usize,
 }
 
-// SAFETY: every NCCL call goes through the mutex (NCCL communicators must not be used by two
-// threads at once).
+// SAFETY: every NCCL call goes through the mutex (an NCCL communicator must not be used by
+// two threads at once); the stream is cudarc's thread-safe handle.
 unsafe impl Send for NcclComm {}
 // SAFETY: as above.
 unsafe impl Sync for NcclComm {}
@@ -78,19 +91,27 @@ impl std::fmt::Debug for NcclComm {
         f.debug_struct("NcclComm")
             .field("rank", &self.rank)
             .field("size", &self.size)
+            .field("device", &self.device)
             .finish()
     }
 }
 
 impl NcclComm {
-    /// Joins the group `id` as `rank` of `world_size` on `device` (a CUDA device).
+    /// Joins the group `id` as `rank` of `world_size` on `device` (a CUDA device). Every
+    /// rank calls it with the same id; it returns once all have joined.
     pub fn new(device: &Device, rank: usize, world_size: usize, id: NcclId) -> Result<Self> {
         let Device::Cuda(dev) = device else {
             return Err(AmpError::InvalidArgument {
                 argument: "device",
-                reason: format!("NCCL needs a CUDA device, got {device:?}"),
+                reason: format!("NCCL needs a CUDA device, got {device:?}: pass Device::new_cuda(ordinal)"),
             });
         };
+        if rank >= world_size {
+            return Err(AmpError::InvalidArgument {
+                argument: "rank",
+                reason: format!("rank {rank} is not in a group of {world_size} rank(s)"),
+            });
+        }
         let stream = dev.cuda_stream();
         let comm = Comm::from_rank(stream.clone(), rank, world_size, id.0)
             .map_err(|e| backend(rank, format!("ncclCommInitRank: {e:?}")))?;
@@ -103,8 +124,73 @@ impl NcclComm {
         })
     }
 
-    fn comm(&self) -> std::sync::MutexGuard<'_, Comm> {
+    fn comm(&self) -> MutexGuard<'_, Comm> {
         self.comm.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn err(&self, what: &str, e: impl std::fmt::Debug) -> AmpError {
+        backend(self.rank, format!("{what}: {e:?}"))
+    }
+
+    /// Copies `buf` to the device, runs `collective` on the device copy, and copies the
+    /// result back into `buf`, waiting for it.
+    fn through_device(
+        &self,
+        buf: &mut [f32],
+        what: &str,
+        collective: impl FnOnce(&Comm, &mut candle_core::cuda_backend::cudarc::driver::CudaSlice<f32>) -> Result<()>,
+    ) -> Result<()> {
+        // NCCL refuses no empty buffer, but the device allocator does: every rank passes the
+        // same length, so every rank skips together.
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let mut dev = self
+            .stream
+            .clone_htod(&*buf)
+            .map_err(|e| self.err("copy to device", e))?;
+        collective(&self.comm(), &mut dev)?;
+        self.stream
+            .memcpy_dtoh(&dev, buf)
+            .map_err(|e| self.err("copy to host", e))?;
+        self.stream.synchronize().map_err(|e| self.err(what, e))
+    }
+}
+
+/// The in-device all-reduce: its value is the element-wise sum over the ranks of its f32
+/// argument, in a new device buffer.
+struct AllReduce<'a> {
+    comm: &'a Comm,
+    rank: usize,
+}
+
+impl CustomOp1 for AllReduce<'_> {
+    fn name(&self) -> &'static str {
+        "candle-amp-nccl-all-reduce"
+    }
+
+    fn cpu_fwd(&self, _s: &CpuStorage, _l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        // all_reduce_sum_tensor moves the tensor to the communicator's device first.
+        Err(backend(
+            self.rank,
+            "NCCL reduces CUDA buffers; a CPU tensor reached the NCCL op".into(),
+        )
+        .into())
+    }
+
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let (a, b) = l
+            .contiguous_offsets()
+            .ok_or_else(|| backend(self.rank, "the NCCL all-reduce needs a contiguous tensor".into()))?;
+        let src = s.as_cuda_slice::<f32>()?;
+        let dev = s.device().clone();
+        // SAFETY: ncclAllReduce writes every element of the new buffer before anything reads
+        // it (both are ordered on the device's stream).
+        let mut dst = unsafe { dev.alloc::<f32>(b - a) }?;
+        self.comm
+            .all_reduce(&src.slice(a..b), &mut dst, &ReduceOp::Sum)
+            .map_err(|e| backend(self.rank, format!("ncclAllReduce: {e:?}")))?;
+        Ok((CudaStorage::wrap_cuda_slice(dst, dev), l.shape().clone()))
     }
 }
 
@@ -122,72 +208,50 @@ impl Communicator for NcclComm {
     }
 
     fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()> {
-        let host = Tensor::from_slice(buf, buf.len(), &Device::Cpu)?.to_device(&self.device)?;
-        let sum = self.all_reduce_sum_tensor(&host)?;
-        buf.copy_from_slice(&sum.to_device(&Device::Cpu)?.to_vec1::<f32>()?);
-        Ok(())
+        self.through_device(buf, "ncclAllReduce", |comm, dev| {
+            comm.all_reduce_in_place(dev, &ReduceOp::Sum)
+                .map(|_| ())
+                .map_err(|e| self.err("ncclAllReduce", e))
+        })
     }
 
+    /// In device memory: no host copy, no synchronisation (the sum is ready when candle's
+    /// next op on the stream runs). A tensor on another device goes through this
+    /// communicator's device and comes back.
     fn all_reduce_sum_tensor(&self, t: &Tensor) -> Result<Tensor> {
-        let t = t
-            .to_dtype(candle_core::DType::F32)?
-            .to_device(&self.device)?
-            .contiguous()?;
-        let n = t.elem_count();
-        let send = {
-            let (storage, layout) = t.storage_and_layout();
-            let candle_core::Storage::Cuda(cs) = &*storage else {
-                return Err(backend(self.rank, "the tensor is not on the CUDA device".into()));
-            };
-            let slice = cs.as_cuda_slice::<f32>()?;
-            let (a, _) = layout.contiguous_offsets().expect("contiguous");
-            self.stream
-                .clone_dtod(&slice.slice(a..a + n))
-                .map_err(|e| backend(self.rank, format!("copy: {e:?}")))?
+        check_sum_tensor(t)?;
+        if t.elem_count() == 0 {
+            // Every rank passes the same length: all skip the collective together.
+            return Ok(t.clone());
+        }
+        let on_device = t.to_device(&self.device)?.contiguous()?;
+        let sum = {
+            let comm = self.comm();
+            on_device.apply_op1_no_bwd(&AllReduce {
+                comm: &comm,
+                rank: self.rank,
+            })?
         };
-        let mut recv = self
-            .stream
-            .alloc_zeros::<f32>(n)
-            .map_err(|e| backend(self.rank, format!("alloc: {e:?}")))?;
-        self.comm()
-            .all_reduce(&send, &mut recv, &ReduceOp::Sum)
-            .map_err(|e| backend(self.rank, format!("ncclAllReduce: {e:?}")))?;
-        let Device::Cuda(dev) = &self.device else {
-            unreachable!()
-        };
-        let storage = candle_core::CudaStorage::wrap_cuda_slice(recv, dev.clone());
-        Ok(Tensor::from_storage(
-            candle_core::Storage::Cuda(storage),
-            t.shape().clone(),
-        ))
+        Ok(sum.to_device(t.device())?)
     }
 
     fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<()> {
         check_root(self, root)?;
-        let send = self
-            .stream
-            .memcpy_stod(buf)
-            .map_err(|e| backend(self.rank, format!("copy: {e:?}")))?;
-        let mut recv = self
-            .stream
-            .alloc_zeros::<f32>(buf.len())
-            .map_err(|e| backend(self.rank, format!("alloc: {e:?}")))?;
-        self.comm()
-            .broadcast(Some(&send), &mut recv, root as i32)
-            .map_err(|e| backend(self.rank, format!("ncclBroadcast: {e:?}")))?;
-        let host = self
-            .stream
-            .memcpy_dtov(&recv)
-            .map_err(|e| backend(self.rank, format!("copy: {e:?}")))?;
-        buf.copy_from_slice(&host);
-        Ok(())
+        self.through_device(buf, "ncclBroadcast", |comm, dev| {
+            comm.broadcast_in_place(dev, root as i32)
+                .map(|_| ())
+                .map_err(|e| self.err("ncclBroadcast", e))
+        })
     }
 
     fn broadcast_bytes(&self, buf: &mut Vec<u8>, root: usize) -> Result<()> {
-        // Through f32 words: the length first, then the bytes four at a time.
-        let mut len = [buf.len() as f32];
+        check_root(self, root)?;
+        // The length first, as the bits of two f32 words (a broadcast copies bits, and an
+        // f32 value would round lengths above 2^24), then the bytes four to a word.
+        let n = buf.len() as u64;
+        let mut len = [f32::from_bits(n as u32), f32::from_bits((n >> 32) as u32)];
         self.broadcast(&mut len, root)?;
-        let n = len[0] as usize;
+        let n = (len[0].to_bits() as u64 | ((len[1].to_bits() as u64) << 32)) as usize;
         let mut words: Vec<f32> = buf
             .chunks(4)
             .map(|c| {
@@ -203,6 +267,6 @@ impl Communicator for NcclComm {
     }
 
     fn barrier(&self) -> Result<()> {
-        self.all_reduce_sum(&mut [0.0]).map(|_| ())
+        self.all_reduce_sum(&mut [0.0])
     }
 }

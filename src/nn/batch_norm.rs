@@ -288,6 +288,16 @@ impl CustomOp1 for SyncNorm {
         Ok((CpuStorage::F32(out), l.shape().clone()))
     }
 
+    /// Through the host: the statistics are a few sums per channel, each all-reduced over the
+    /// group's host buffers anyway, so the input is copied to the host once, normalised there
+    /// as on the CPU, and the result copied back.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendDevice;
+        let (out, shape) = self.cpu_fwd(&s.to_cpu_storage()?, l)?;
+        Ok((s.device().storage_from_cpu_storage(&out)?, shape))
+    }
+
     fn bwd(&self, _arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let st = self
             .stats

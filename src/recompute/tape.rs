@@ -80,6 +80,35 @@ impl CustomOp1 for Boundary {
         Ok((owned_storage(&out)?, out.shape().clone()))
     }
 
+    /// The segment's output (computed on the device) copied into the node's own buffer, as
+    /// on the CPU.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _s: &candle_core::CudaStorage,
+        _l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let out = self
+            .out
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg("recompute: a checkpoint node ran its forward twice".into()))?;
+        // `try_clone` copies the whole buffer, so it must hold the output row-major from its
+        // start (a fresh output does; a view is copied so first).
+        let out = if out.is_contiguous() && out.layout().start_offset() == 0 {
+            out
+        } else {
+            out.force_contiguous()?
+        };
+        let (st, layout) = out.storage_and_layout();
+        let candle_core::Storage::Cuda(cuda) = &*st else {
+            candle_core::bail!("recompute: the segment's output is not on the input's CUDA device")
+        };
+        Ok((cuda.try_clone(layout)?, out.shape().clone()))
+    }
+
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
         let (gx, params) = self.rec.replay(arg, grad)?;
         self.rec.run.stash_recomputed(params)?;
@@ -234,16 +263,18 @@ impl Recompute {
         Self { run: amp.run().clone() }
     }
 
-    /// Whether a call with `train` on `x` records a segment: in training, on the CPU, not
+    /// Whether a call with `train` on `x` records a segment: in training, on the CPU (or CUDA), not
     /// inside another checkpointed segment.
     fn records(train: bool, x: &Tensor) -> bool {
         if !train || autocast::phase() != Phase::Normal {
             return false;
         }
-        if !x.device().is_cpu() {
+        // On CUDA the node's forward copies the output on the device (`cuda_fwd`); the
+        // recomputation is candle ops there.
+        if !(x.device().is_cpu() || x.device().is_cuda()) {
             OFF_CPU.call_once(|| {
                 log::warn!(
-                    "candle-amp: gradient checkpointing runs on the CPU only; blocks on other devices run plainly"
+                    "candle-amp: gradient checkpointing runs on the CPU and CUDA (feature `cuda`) only; blocks on other devices run plainly"
                 )
             });
             return false;
