@@ -3,8 +3,8 @@
 //! `DistributedDataParallel` with `DistributedSampler` and `SyncBatchNorm`).
 //!
 //! * [`Communicator`]: what a process group provides; `MpiComm` (feature `mpi`, launched
-//!   with `mpirun -np N`), `NcclComm` (feature `nccl`, CUDA; not built on the development
-//!   machines) and [`LocalGroup`] (threads of one process: the test double);
+//!   with `mpirun -np N`), `NcclComm` (feature `nccl`, CUDA; compiled and linted in CI,
+//!   never run on a GPU yet) and [`LocalGroup`] (threads of one process: the test double);
 //! * [`DataParallel`]: checks that every rank runs the same model, copies rank 0's weights
 //!   to every rank, averages the accumulated f32 gradients once per optimizer step in
 //!   buckets, combines overflow flags so every rank skips the same steps, and switches
