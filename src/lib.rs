@@ -48,6 +48,7 @@ mod amp;
 pub mod checkpoint;
 mod comm;
 pub mod dist;
+pub mod doctor;
 mod error;
 mod files;
 pub mod kernels;
