@@ -186,6 +186,7 @@ pub(crate) fn diagnose(
         .tensors
         .iter()
         .filter(|(_, a)| a.kind == TensorKind::Activation)
+        .map(|((n, _), a)| (n, a))
         .collect();
     acts.sort_by_key(|(_, a)| a.order);
     for (name, a) in acts {
@@ -265,7 +266,7 @@ pub(crate) fn diagnose(
             .tensors
             .iter()
             .filter(|(_, a)| a.kind == TensorKind::Weight && a.dtype == half)
-            .map(|(n, a)| (n, underflow(a, half)))
+            .map(|((n, _), a)| (n, underflow(a, half)))
             .filter(|(_, u)| *u > cfg.threshold)
             .collect();
         if let Some((worst, u)) = tiny.iter().max_by(|a, b| a.1.total_cmp(&b.1)) {
@@ -289,7 +290,7 @@ pub(crate) fn diagnose(
         if !half_trouble.is_empty() {
             let bf16_ok = half_trouble.iter().all(|n| {
                 st.tensors
-                    .get(n)
+                    .get(&(n.clone(), TensorKind::Activation))
                     .is_some_and(|a| a.sum_underbf / (a.observations.max(1) as f64) <= cfg.threshold)
             });
             if bf16_ok {
@@ -328,6 +329,7 @@ fn gradient_rules(
         .tensors
         .iter()
         .filter(|(_, a)| matches!(a.kind, TensorKind::MasterGrad | TensorKind::Grad))
+        .map(|((n, _), a)| (n, a))
         .collect();
     if grads.is_empty() {
         return;
@@ -369,7 +371,7 @@ fn gradient_rules(
         for (p, times) in overflowed {
             let own = st
                 .tensors
-                .get(p.as_str())
+                .get(&(p.clone(), TensorKind::MasterGrad))
                 .map(|a| a.amax_unscaled)
                 .filter(|v| *v > 0.0)
                 .unwrap_or(amax);

@@ -214,14 +214,13 @@ impl Doctor {
         let st = self.recorder.lock();
         let recommendations = diagnose::diagnose(&self.recorder.cfg, props, &st, &f32_layers, scale);
         let bf16 = props.half == crate::HalfType::Bf16;
-        let mut tensors: Vec<TensorReport> = st.tensors.iter().map(|(n, a)| Recorder::summary(n, a)).collect();
-        let order: std::collections::HashMap<&str, u64> =
-            st.tensors.iter().map(|(n, a)| (n.as_str(), a.order)).collect();
-        tensors.sort_by(|a, b| {
-            b.badness(bf16)
-                .total_cmp(&a.badness(bf16))
-                .then(order[a.name.as_str()].cmp(&order[b.name.as_str()]))
-        });
+        let mut tensors: Vec<(u64, TensorReport)> = st
+            .tensors
+            .iter()
+            .map(|((n, _), a)| (a.order, Recorder::summary(n, a)))
+            .collect();
+        tensors.sort_by(|(oa, a), (ob, b)| b.badness(bf16).total_cmp(&a.badness(bf16)).then(oa.cmp(ob)));
+        let tensors = tensors.into_iter().map(|(_, t)| t).collect();
         DoctorReport {
             opt_level: props.opt_level.to_string(),
             half: props.half.to_string(),

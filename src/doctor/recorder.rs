@@ -67,7 +67,7 @@ pub(crate) struct State {
     pub observed: u64,
     pub next_order: u64,
     pub op_calls: HashMap<String, u32>,
-    pub tensors: BTreeMap<String, Aggregate>,
+    pub tensors: BTreeMap<(String, TensorKind), Aggregate>,
     /// This step: whether a forward tensor (or the loss) was not finite.
     pub forward_bad: bool,
     /// This step: whether a gradient was non-finite (root found).
@@ -136,7 +136,7 @@ impl Recorder {
             }
         }
         let order = state.next_order;
-        let agg = state.tensors.entry(name).or_insert_with(|| Aggregate {
+        let agg = state.tensors.entry((name, kind)).or_insert_with(|| Aggregate {
             kind,
             order,
             dtype: t.dtype(),
@@ -182,7 +182,8 @@ impl Recorder {
         if grad {
             // Raw gradients carry the scale: unscale their magnitudes.
             let div = if kind == TensorKind::Grad { scale as f64 } else { 1.0 };
-            if st.nonfinite == 0 {
+            // Master gradients are the unscaled truth; raw ones are recorded at multiplier 1.
+            if st.nonfinite == 0 && kind == TensorKind::MasterGrad {
                 agg.amax_unscaled = agg.amax_unscaled.max(st.amax / div);
             }
             if kind == TensorKind::MasterGrad

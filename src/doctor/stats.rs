@@ -257,7 +257,12 @@ pub(crate) fn on_device(t: &Tensor, scale: f64, binades: bool) -> Result<(Tensor
     let zeros = count(&zero)?;
     let zeros_t = a.zeros_like()?;
     let fin_a = finite.where_cond(&a, &zeros_t)?;
-    let sum = fin_a.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()? as f64;
+    // The sum in f64 where the device has it (Metal has not).
+    let sum = if matches!(t.device(), Device::Metal(_)) {
+        fin_a.sum_all()?.to_scalar::<f32>()? as f64
+    } else {
+        fin_a.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?
+    };
     let amax = if n > 0 {
         fin_a.max_all()?.to_scalar::<f32>()?
     } else {
