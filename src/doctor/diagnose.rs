@@ -11,7 +11,7 @@ use super::DoctorConfig;
 use super::fallback::is_layer;
 use super::recorder::{Aggregate, State};
 use super::stats::{F16_MAX, fraction_below};
-use crate::precision::observe::TensorKind;
+use crate::precision::recording::TensorKind;
 use crate::precision::opt_level::Properties;
 
 /// What went wrong, as a recommendation states it.

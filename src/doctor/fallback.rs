@@ -4,36 +4,10 @@
 //! one of the last `window` observations since it switched goes back. Each switch is logged
 //! and reported; the run keeps the switched layers (and saves them in checkpoints).
 
-use std::collections::{BTreeSet, VecDeque};
-
-use serde::{Deserialize, Serialize};
-
 use super::DoctorConfig;
-use super::recorder::State as RecState;
-use crate::precision::observe::TensorKind;
+use super::recorder::{State as RecState, SwitchEvent};
+use crate::precision::recording::TensorKind;
 
-/// The most switch events kept (the oldest go first).
-const MAX_EVENTS: usize = 256;
-
-/// One switch of the automatic fallback.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct SwitchEvent {
-    /// The doctor's step (backward passes since it was attached) at which it switched.
-    pub step: u64,
-    /// The layer (its VarBuilder path).
-    pub layer: String,
-    /// `true`: to f32; `false`: back to the run's policy.
-    pub to_f32: bool,
-    /// Why, with the figures.
-    pub reason: String,
-}
-
-/// The fallback's bookkeeping.
-#[derive(Debug, Default)]
-pub(crate) struct State {
-    pub switched: BTreeSet<String>,
-    pub events: VecDeque<SwitchEvent>,
-}
 
 /// Whether an activation is a named layer's output (ops are named `op#call`).
 pub(crate) fn is_layer(name: &str) -> bool {
@@ -100,7 +74,7 @@ pub(crate) fn decide(cfg: &DoctorConfig, st: &mut RecState) -> Vec<(String, bool
             to_f32,
             reason,
         });
-        while st.fallback.events.len() > MAX_EVENTS {
+        while st.fallback.events.len() > super::recorder::MAX_EVENTS {
             st.fallback.events.pop_front();
         }
         switches.push((name, to_f32));

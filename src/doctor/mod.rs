@@ -59,15 +59,15 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 pub use diagnose::{Action, Problem, Recommendation, Severity};
-pub use fallback::SwitchEvent;
+pub use recorder::SwitchEvent;
 pub use report::{DoctorReport, ScalePoint, TensorReport};
 pub use stats::{BF16_MIN_NORMAL, F16_MAX, F16_MIN_NORMAL, TensorStats};
 
 use crate::amp::Amp;
 use crate::error::{AmpError, Result};
 use crate::precision::autocast::CastPolicy;
-use crate::precision::observe::Observer;
-pub use crate::precision::observe::TensorKind;
+use crate::precision::recording::Observer;
+pub use crate::precision::recording::TensorKind;
 use crate::scaling::LossScale;
 use crate::train::run::RunState;
 use recorder::Recorder;
@@ -185,6 +185,7 @@ impl Doctor {
             run.props.half.dtype(),
             run.props.patch_functions,
             Arc::downgrade(&run),
+            fallback::decide,
         ));
         {
             let mut st = rec.lock();
@@ -217,7 +218,7 @@ impl Doctor {
         let mut tensors: Vec<(u64, TensorReport)> = st
             .tensors
             .iter()
-            .map(|((n, _), a)| (a.order, Recorder::summary(n, a)))
+            .map(|((n, _), a)| (a.order, TensorReport::summary(n, a)))
             .collect();
         tensors.sort_by(|(oa, a), (ob, b)| b.badness(bf16).total_cmp(&a.badness(bf16)).then(oa.cmp(ob)));
         let tensors = tensors.into_iter().map(|(_, t)| t).collect();

@@ -2,17 +2,43 @@
 //! observed steps and folds them into one bounded aggregate per tensor name, so memory does
 //! not grow with the step count.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, Weak};
 
 use candle_core::{DType, Tensor};
+use serde::{Deserialize, Serialize};
 
 use super::DoctorConfig;
-use super::fallback::{self, SwitchEvent};
 use super::stats::{self, BINADES};
-use crate::precision::observe::{BackwardInfo, Observer, TensorKind};
+use crate::precision::recording::{BackwardInfo, Observer, TensorKind};
 use crate::train::run::RunState;
+
+/// The most switch events kept (the oldest go first).
+pub(crate) const MAX_EVENTS: usize = 256;
+
+/// One switch of the automatic fallback.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SwitchEvent {
+    /// The doctor's step (backward passes since it was attached) at which it switched.
+    pub step: u64,
+    /// The layer (its VarBuilder path).
+    pub layer: String,
+    /// `true`: to f32; `false`: back to the run's policy.
+    pub to_f32: bool,
+    /// Why, with the figures.
+    pub reason: String,
+}
+
+/// The fallback's bookkeeping.
+#[derive(Debug, Default)]
+pub(crate) struct FallbackState {
+    pub switched: BTreeSet<String>,
+    pub events: VecDeque<SwitchEvent>,
+}
+
+/// The fallback's decision after an observed step: the switches to make, (layer, to f32).
+pub(crate) type Decide = fn(&DoctorConfig, &mut State) -> Vec<(String, bool)>;
 
 /// One observation of a tensor, as the fallback window keeps it.
 #[derive(Debug, Clone, Copy)]
@@ -79,7 +105,7 @@ pub(crate) struct State {
     /// named, per parameter: how many times.
     pub overflowed_params: BTreeMap<String, u64>,
     pub skipped_steps: u64,
-    pub fallback: fallback::State,
+    pub fallback: FallbackState,
 }
 
 /// The doctor's recorder.
@@ -91,10 +117,12 @@ pub(crate) struct Recorder {
     state: Mutex<State>,
     /// The run, for the automatic fallback's switches (weak: the run holds the recorder).
     pub run: Weak<RunState>,
+    /// The automatic fallback's rule.
+    decide: Decide,
 }
 
 impl Recorder {
-    pub(crate) fn new(cfg: DoctorConfig, half: DType, autocasts: bool, run: Weak<RunState>) -> Self {
+    pub(crate) fn new(cfg: DoctorConfig, half: DType, autocasts: bool, run: Weak<RunState>, decide: Decide) -> Self {
         Self {
             cfg,
             half,
@@ -105,6 +133,7 @@ impl Recorder {
                 ..Default::default()
             }),
             run,
+            decide,
         }
     }
 
@@ -213,33 +242,6 @@ impl Recorder {
         drop(g);
     }
 
-    /// The report's statistics of one aggregate (means over the observations).
-    pub(crate) fn summary(name: &str, a: &Aggregate) -> super::report::TensorReport {
-        let n = a.observations.max(1) as f64;
-        let amin = if a.amin_nonzero.is_finite() {
-            a.amin_nonzero
-        } else {
-            0.0
-        };
-        super::report::TensorReport {
-            name: name.to_string(),
-            kind: a.kind,
-            dtype: a.dtype.as_str().to_string(),
-            observations: a.observations,
-            elements: a.elements,
-            amax: a.amax,
-            amin_nonzero: amin,
-            mean_abs: a.sum_mean_abs / n,
-            zero_frac: a.sum_zero / n,
-            underflow_f16: a.sum_under16 / n,
-            underflow_bf16: a.sum_underbf / n,
-            overflow_f16: a.sum_over16 / n,
-            nonfinite: a.nonfinite,
-            range_binades: a.range,
-            root_nonfinite: a.root_nonfinite,
-        }
-    }
-
     /// Switch events so far.
     pub(crate) fn switches(&self) -> Vec<SwitchEvent> {
         self.lock().fallback.events.iter().cloned().collect()
@@ -307,7 +309,7 @@ impl Observer for Recorder {
             }
         }
         if was_recording && self.cfg.auto_fallback && self.autocasts {
-            let switches = fallback::decide(&self.cfg, state);
+            let switches = (self.decide)(&self.cfg, state);
             if !switches.is_empty()
                 && let Some(run) = self.run.upgrade()
             {

@@ -6,8 +6,8 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 use super::diagnose::Recommendation;
-use super::fallback::SwitchEvent;
-use crate::precision::observe::TensorKind;
+use super::recorder::{Aggregate, SwitchEvent};
+use crate::precision::recording::TensorKind;
 
 /// One tensor's statistics over the observed steps: means of the per-step fractions and
 /// magnitudes, the largest `amax`, the smallest `amin_nonzero`, the total non-finite count.
@@ -47,6 +47,33 @@ pub struct TensorReport {
 }
 
 impl TensorReport {
+    /// The report's statistics of one aggregate (means over the observations).
+    pub(crate) fn summary(name: &str, a: &Aggregate) -> TensorReport {
+        let n = a.observations.max(1) as f64;
+        let amin = if a.amin_nonzero.is_finite() {
+            a.amin_nonzero
+        } else {
+            0.0
+        };
+        TensorReport {
+            name: name.to_string(),
+            kind: a.kind,
+            dtype: a.dtype.as_str().to_string(),
+            observations: a.observations,
+            elements: a.elements,
+            amax: a.amax,
+            amin_nonzero: amin,
+            mean_abs: a.sum_mean_abs / n,
+            zero_frac: a.sum_zero / n,
+            underflow_f16: a.sum_under16 / n,
+            underflow_bf16: a.sum_underbf / n,
+            overflow_f16: a.sum_over16 / n,
+            nonfinite: a.nonfinite,
+            range_binades: a.range,
+            root_nonfinite: a.root_nonfinite,
+        }
+    }
+
     /// How bad it looks in `half` (f16 unless `bf16`): first inf/NaN first, then the
     /// larger of the overflow and underflow fractions.
     pub fn badness(&self, bf16: bool) -> f64 {

@@ -42,7 +42,7 @@ use candle_core::{DType, Tensor, TensorId};
 
 use super::cast_lists::builtin_policy;
 pub use super::cast_lists::{CAST_LISTS, CastPolicy};
-use super::observe::Observer;
+use super::recording::Observer;
 use crate::comm::Communicator;
 use crate::kernels::{self, fingerprint::sampled_fingerprint};
 

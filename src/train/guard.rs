@@ -26,7 +26,7 @@ use super::optim::{AmpOptimizer, Round};
 use super::run::{RunState, merge_grads};
 use crate::error::{AmpError, CallOrderKind, Result};
 use crate::kernels::unscale::nonfinite;
-use crate::precision::observe::{BackwardInfo, TensorKind};
+use crate::precision::recording::{BackwardInfo, TensorKind};
 
 /// The name the numerics doctor gives loss `id`'s value.
 fn loss_name(id: usize) -> String {
