@@ -276,7 +276,7 @@ fn planted_problems_are_named_exactly_and_apply_fixes_o1_and_o3() {
         .unwrap();
         let (l, skipped) = train(&m, &mut o, &a, STEPS);
         assert!(
-            skipped as usize >= STEPS / 2 || !(l < 1.02 * l0),
+            skipped as usize >= STEPS / 2 || l.is_nan() || l >= 1.02 * l0,
             "{level}: the unfixed run should stall or skip: loss {l} vs O0 {l0}, {skipped} skipped"
         );
         let report = doc.report();

@@ -187,7 +187,11 @@ fn memory_does_not_grow_with_the_step_count_at_any_level() {
         assert!(!st.algorithm.params.is_empty());
         let report = doctor.report();
         assert_eq!(report.steps_observed, 30, "{level} {half}");
-        assert!(report.tensors.len() > 20, "{level} {half}: {} tensors recorded", report.tensors.len());
+        assert!(
+            report.tensors.len() > 20,
+            "{level} {half}: {} tensors recorded",
+            report.tensors.len()
+        );
         let grown = at[1] - at[0];
         eprintln!("{level} {half}: live bytes at step 50 {}, at step 300 {}", at[0], at[1]);
         assert!(

@@ -11,8 +11,8 @@ use super::DoctorConfig;
 use super::fallback::is_layer;
 use super::recorder::{Aggregate, State};
 use super::stats::{F16_MAX, fraction_below};
-use crate::precision::recording::TensorKind;
 use crate::precision::opt_level::Properties;
+use crate::precision::recording::TensorKind;
 
 /// What went wrong, as a recommendation states it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -308,7 +308,7 @@ pub(crate) fn diagnose(
             }
         }
     }
-    recs.sort_by(|a, b| b.severity.cmp(&a.severity));
+    recs.sort_by_key(|r| std::cmp::Reverse(r.severity));
     recs
 }
 
@@ -350,21 +350,38 @@ fn gradient_rules(
         .copied()
         .filter(|(_, a)| a.kind == TensorKind::MasterGrad && a.binades.is_some())
         .collect();
-    let underflow_at = |s: f64| -> Option<(&String, f64)> {
+    // All gradient elements together (a parameter whose gradient is ~0 by symmetry, such as
+    // attention's key bias, must not decide the scale for the rest).
+    let mut total = vec![0u64; super::stats::BINADES];
+    let mut elements = 0u64;
+    for (_, a) in &masters {
+        for (t, c) in total.iter_mut().zip(a.binades.as_deref().unwrap_or(&[])) {
+            *t += c;
+        }
+        elements += a.binade_elements;
+    }
+    let all_below = |s: f64| fraction_below(&total, elements, s, -14);
+    // The parameter losing the most of its gradient at a scale (for the reason's text).
+    let worst_at = |s: f64| -> (String, f64) {
         masters
             .iter()
             .map(|(n, a)| {
                 (
-                    *n,
+                    (*n).clone(),
                     fraction_below(a.binades.as_deref().unwrap_or(&[]), a.binade_elements, s, -14),
                 )
             })
             .max_by(|x, y| x.1.total_cmp(&y.1))
+            .unwrap_or_default()
     };
-    let floor = (-24..=24)
-        .map(|e| 2f64.powi(e))
-        .find(|s| underflow_at(*s).is_none_or(|(_, u)| u <= cfg.threshold))
-        .map(|s| s as f32);
+    let floor = (!masters.is_empty())
+        .then(|| {
+            (-24..=24)
+                .map(|e| 2f64.powi(e))
+                .find(|s| all_below(*s) <= cfg.threshold)
+                .map(|s| s as f32)
+        })
+        .flatten();
     let dynamic_min = props.min_loss_scale;
     if !overflowed.is_empty() {
         let min = floor.map_or(dynamic_min, |f| f.min(ceiling)).min(ceiling);
@@ -398,16 +415,15 @@ fn gradient_rules(
             target: "half".into(),
             action: Action::UseBf16,
             reason: format!(
-                "no f16 loss scale fits the gradients: at most {} underflow needs a scale of at least {f}, the largest gradient ({amax:.3e}) allows at most {ceiling}",
+                "no f16 loss scale fits the gradients: at most {} of them underflowing needs a scale of at least {f}, the largest gradient ({amax:.3e}) allows at most {ceiling}",
                 pct(cfg.threshold)
             ),
             problem: Problem::Range,
             severity: if what_if { Severity::Info } else { Severity::Warning },
         }),
         Some(f) if (current_scale as f64) < f as f64 => {
-            let (worst, u) = underflow_at(current_scale as f64)
-                .map(|(n, u)| (n.clone(), u))
-                .unwrap_or_default();
+            let u = all_below(current_scale as f64);
+            let (worst, wu) = worst_at(current_scale as f64);
             recs.push(Recommendation {
                 target: "loss_scale".into(),
                 action: Action::LossScale {
@@ -417,8 +433,9 @@ fn gradient_rules(
                     max: ceiling,
                 },
                 reason: format!(
-                    "at scale {current_scale} {} of `{worst}`'s gradient underflows f16; from {f} on at most {} of any gradient does, and up to {ceiling} none overflows",
+                    "at scale {current_scale} {} of the gradients underflow f16 ({} of `{worst}`'s); from {f} on at most {} do, and up to {ceiling} none overflows",
                     pct(u),
+                    pct(wu),
                     pct(cfg.threshold)
                 ),
                 problem: Problem::GradientUnderflow,

@@ -8,7 +8,6 @@ use super::DoctorConfig;
 use super::recorder::{State as RecState, SwitchEvent};
 use crate::precision::recording::TensorKind;
 
-
 /// Whether an activation is a named layer's output (ops are named `op#call`).
 pub(crate) fn is_layer(name: &str) -> bool {
     !name.contains('#')

@@ -16,7 +16,7 @@ pub mod autocast;
 pub(crate) mod cast_lists;
 pub(crate) mod model;
 pub(crate) mod observe;
-pub(crate) mod recording;
 pub mod ops;
 pub(crate) mod opt_level;
+pub(crate) mod recording;
 pub(crate) mod store;
