@@ -513,3 +513,75 @@ fn a_bad_config_is_a_typed_error() {
         }
     }
 }
+
+/// A layer whose input the test scales: tiny (its outputs underflow f16) or normal.
+struct Knob {
+    lin: ann::Linear,
+    head: ann::Linear,
+    gain: std::rc::Rc<std::cell::Cell<f64>>,
+}
+
+impl Module for Knob {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let g = self.gain.get();
+        // Rescaled in f32 (1e6 is beyond f16).
+        let h = self
+            .lin
+            .forward(&x.affine(g, 0.0)?)?
+            .to_dtype(DType::F32)?
+            .affine(1.0 / g, 0.0)?;
+        self.head.forward(&h)
+    }
+}
+
+#[test]
+fn the_fallback_switches_back_when_the_outputs_fit_again() {
+    let gain = std::rc::Rc::new(std::cell::Cell::new(1e-6));
+    let g2 = gain.clone();
+    let (m, mut o, a) = amp::initialize(
+        move |vb| {
+            Ok(Knob {
+                lin: ann::linear_no_bias(16, 16, vb.pp("lin"))?,
+                head: ann::linear(16, 4, vb.pp("head"))?,
+                gain: g2,
+            })
+        },
+        adamw(),
+        config(OptLevel::O1),
+    )
+    .unwrap();
+    let doc = Doctor::attach(
+        &a,
+        DoctorConfig {
+            every: 1,
+            auto_fallback: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let data = batches();
+    let mut layers = Vec::new();
+    for i in 0..12 {
+        if i == 5 {
+            gain.set(1.0);
+        }
+        let (x, y) = &data[i % data.len()];
+        let loss = ops::cross_entropy(&m.forward(x).unwrap(), y).unwrap();
+        a.scale_loss(&loss, &mut o).unwrap().backward().unwrap();
+        o.step().unwrap();
+        o.zero_grad();
+        layers.push(a.f32_layers());
+    }
+    let events: Vec<_> = doc
+        .switches()
+        .iter()
+        .map(|s| (s.layer.clone(), s.to_f32, s.step))
+        .collect();
+    // In half from step 3 (after three bad observations) until three good ones (steps 5-7).
+    assert_eq!(events, vec![("lin".into(), true, 2), ("lin".into(), false, 7)]);
+    let lin = vec!["lin".to_string()];
+    let expect: Vec<Vec<String>> = (0..12)
+        .map(|i| if (2..7).contains(&i) { lin.clone() } else { vec![] })
+        .collect();
+    assert_eq!(layers, expect);
+}
