@@ -49,6 +49,10 @@ pub struct AmpState {
     /// safetensors).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub weights: BTreeMap<String, TensorData>,
+    /// Layers kept in f32 ([`Amp::keep_layer_f32`], the numerics doctor's `apply` and its
+    /// automatic fallback), by name, with who asked (`"user"`, `"doctor"`, `"auto"`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub f32_layers: BTreeMap<String, String>,
 }
 
 /// What [`Amp::load_weights`] did.
@@ -119,6 +123,8 @@ impl Amp {
             context: self.run.casts.clone(),
             transparent: false,
             phase: crate::precision::autocast::Phase::Normal,
+            force_f32: false,
+            in_layer: false,
         }
     }
 
@@ -139,6 +145,40 @@ impl Amp {
     /// ([`crate::autocast::CAST_LISTS`]); `None` for ops on no list.
     pub fn op_policy(&self, name: &str) -> Option<CastPolicy> {
         self.run.casts.policy(name)
+    }
+
+    /// Keeps the layer `name` (its VarBuilder path, e.g. `"blocks.0.ffn.up"`; see
+    /// [`crate::nn::Linear::name`]) in f32 (`on`), or returns it to the run's policy. Under
+    /// an f32 layer every op computes in f32: its inputs and weights are cast up (at O2/O3
+    /// too) and its output is f32; at levels that do not autocast, the `candle_amp::nn`
+    /// layers after it cast their input back to their weights' type, while raw tensor maths
+    /// between its f32 output and half tensors must cast itself. Saved in
+    /// [`state_dict`](Amp::state_dict) and checkpoints. Returns whether anything changed.
+    ///
+    /// ```
+    /// use candle_amp as amp;
+    /// use candle_core::{DType, Device, Tensor};
+    /// # fn main() -> anyhow::Result<()> {
+    /// let (model, _opt, amp) = amp::initialize(
+    ///     |vb| amp::nn::linear(4, 2, vb.pp("fc")),
+    ///     amp::optim::Sgd::new(amp::optim::SgdConfig::new(0.1))?,
+    ///     amp::OptLevel::O1,
+    /// )?;
+    /// let x = Tensor::ones((3, 4), DType::F32, &Device::Cpu)?;
+    /// let _autocast = amp.autocast();
+    /// assert_eq!(candle_nn::Module::forward(model.inner(), &x)?.dtype(), DType::F16);
+    /// amp.keep_layer_f32("fc", true);
+    /// assert_eq!(candle_nn::Module::forward(model.inner(), &x)?.dtype(), DType::F32);
+    /// assert_eq!(amp.f32_layers(), vec!["fc".to_string()]);
+    /// # Ok(()) }
+    /// ```
+    pub fn keep_layer_f32(&self, name: &str, on: bool) -> bool {
+        self.run.casts.set_f32_layer(name, on.then_some("user"))
+    }
+
+    /// The layers kept in f32, by name.
+    pub fn f32_layers(&self) -> Vec<String> {
+        self.run.casts.f32_layers().into_keys().collect()
     }
 
     /// How many ops ran in half during the last completed `scale_loss` block (O1).
@@ -182,6 +222,7 @@ impl Amp {
             store_rng: self.run.store.rng_state(),
             generators,
             weights: BTreeMap::new(),
+            f32_layers: self.run.casts.f32_layers(),
         }
     }
 
@@ -256,6 +297,12 @@ impl Amp {
         self.run.store.set_rng_state(state.store_rng.clone());
         for (name, rng) in &state.generators {
             self.generator(name).restore(rng.clone());
+        }
+        for name in self.run.casts.f32_layers().keys() {
+            self.run.casts.set_f32_layer(name, None);
+        }
+        for (name, origin) in &state.f32_layers {
+            self.run.casts.set_f32_layer(name, Some(origin));
         }
         if state.properties.opt_level != self.run.props.opt_level || state.properties.half != self.run.props.half {
             log::info!(

@@ -32,15 +32,17 @@
 //! optimizers and the [`AmpOptimizer`] that drives them), the PyTorch-style [`GradScaler`],
 //! [`autocast`] scopes, [`ops`] and [`nn`] layers, [`checkpoint`]s (saved training state),
 //! data parallelism across processes ([`dist`]), gradient checkpointing and chunked
-//! feed-forward ([`recompute`]), the error types, and the extension points: a
+//! feed-forward ([`recompute`]), the numerics doctor ([`doctor`]: which tensors leave the half
+//! type's range, what to keep in f32, an automatic fallback), the error types, and the
+//! extension points: a
 //! [`GradReducer`] and `dist::StepReducer` for data parallelism, a backward driver for
 //! [`ScaleLoss::backward_with`], the [`optim::Optimizer`] trait.
 //!
 //! The crate is built in floors, each depending only on those below it (ARCHITECTURE.md
 //! draws it): `error`; `scaling` (the loss scale) and `kernels`; `precision` (opt levels,
 //! parameter store, autocast, ops, model wrapper); `train` (run state, optimizers, the
-//! guard's pipeline, `GradScaler`); `nn`; the [`Amp`] handle; [`checkpoint`], [`dist`] and
-//! [`recompute`].
+//! guard's pipeline, `GradScaler`); `nn`; the [`Amp`] handle; [`checkpoint`], [`dist`],
+//! [`recompute`] and [`doctor`].
 
 #![warn(missing_docs)]
 
@@ -48,6 +50,7 @@ mod amp;
 pub mod checkpoint;
 mod comm;
 pub mod dist;
+pub mod doctor;
 mod error;
 mod files;
 pub mod kernels;

@@ -3,7 +3,8 @@
 //! the process holds at step 300 equal those at step 50 (a counting global allocator, so
 //! this test binary holds this one test only). Gradients and optimizer state never keep a
 //! graph alive. The same holds with gradient checkpointing and recomputed feed-forward
-//! slices.
+//! slices, and with the numerics doctor recording every tenth step (its automatic fallback
+//! on): its statistics are one bounded aggregate per tensor name.
 //!
 //! On the CPU whatever `CANDLE_AMP_TEST_DEVICE` says: the counting allocator sees host
 //! memory only.
@@ -153,6 +154,14 @@ fn memory_does_not_grow_with_the_step_count_at_any_level() {
         let mut opt = amp
             .optimizer(amp::optim::AdamW::new(Default::default()).unwrap())
             .unwrap();
+        let doctor = amp::doctor::Doctor::attach(
+            &amp,
+            amp::doctor::DoctorConfig {
+                auto_fallback: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
         let mut at = [0isize; 2];
         for step in 1..=300 {
             let logp = model.forward(&x).unwrap();
@@ -179,6 +188,13 @@ fn memory_does_not_grow_with_the_step_count_at_any_level() {
         }
         let st = opt.state_dict().unwrap();
         assert!(!st.algorithm.params.is_empty());
+        let report = doctor.report();
+        assert_eq!(report.steps_observed, 30, "{level} {half}");
+        assert!(
+            report.tensors.len() > 20,
+            "{level} {half}: {} tensors recorded",
+            report.tensors.len()
+        );
         let grown = at[1] - at[0];
         eprintln!("{level} {half}: live bytes at step 50 {}, at step 300 {}", at[0], at[1]);
         assert!(

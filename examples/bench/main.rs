@@ -46,6 +46,7 @@ mod data;
 mod models;
 
 mod counting;
+mod doctor;
 mod gpu;
 mod machine;
 mod measure;
@@ -206,6 +207,10 @@ fn main() -> Result<()> {
         eprintln!("transformer {which}: {ms:.2} ms");
         return Ok(());
     }
+    if std::env::var("BENCH_DOCTOR_ONLY").is_ok() {
+        eprintln!("doctor_overhead {:.3}", doctor::doctor_overhead(hidden, &data, 9)?);
+        return Ok(());
+    }
     if std::env::var("BENCH_SAVERS_ONLY").is_ok() {
         eprintln!("{:#}", memory_savers(a.quick, steps)?);
         return Ok(());
@@ -288,6 +293,7 @@ fn main() -> Result<()> {
         out[k] = savers[k].clone();
     }
     out["memory_savers"] = savers;
+    out["doctor_overhead"] = json!(doctor::doctor_overhead(hidden, &data, if a.quick { 2 } else { 9 })?);
     if let Some(t) = torch {
         out["torch"] = t;
     }

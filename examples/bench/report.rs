@@ -183,6 +183,12 @@ pub fn targets(o: &Value) -> Value {
         "<",
         1.0,
     );
+    add(
+        "numerics doctor on (every 10th step) / off, MLP step O1 f16".into(),
+        f(&o["doctor_overhead"]),
+        "<=",
+        1.10,
+    );
     if o["torch"].is_object() {
         let fp32 = f(&o["torch"]["fp32_step_ms"]);
         let tbf16 = f(&o["torch"]["autocast_bf16_step_ms"]);

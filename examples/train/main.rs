@@ -3,7 +3,8 @@
 //!
 //! `cargo run --release --example train -- [--model mlp|cnn|transformer]...
 //!  [--opt-level O0|O1|O2|O3]... [--half f16|bf16] [--data FILE.csv] [--steps N] [--seed N]
-//!  [--json] [--save DIR] [--resume DIR] [--report DIR] [--checkpoint SEGMENTS] [--ffn-chunk N]`
+//!  [--json] [--save DIR] [--resume DIR] [--report DIR] [--doctor DIR] [--checkpoint SEGMENTS]
+//!  [--ffn-chunk N]`
 //!
 //! * `mlp` and `cnn` classify the bundled UCI digits (8x8 images), `transformer` learns to
 //!   reverse short digit sequences it generates.
@@ -15,11 +16,15 @@
 //!   that many segments (the last runs normally); `--ffn-chunk N` runs its feed-forward on
 //!   slices of N positions, each recomputed in the backward. Both trade time for memory and
 //!   leave the results as they are, up to rounding.
+//! * `--doctor DIR` attaches the numerics doctor (every 10th step) to each run and writes
+//!   `DIR/<model>-<level>-<half>-doctor.json` (its report) and `.svg` (per-activation amax and
+//!   f16 underflow, the loss scale over the steps).
 //! * `--report DIR` draws `DIR/<model>.svg`: training loss per step for each level, and the
 //!   loss scale over the steps with skipped steps marked.
 
 mod cli;
 mod data;
+mod doctor_svg;
 mod models;
 mod report;
 
@@ -87,6 +92,7 @@ struct Args {
     save: Option<String>,
     resume: Option<String>,
     report: Option<String>,
+    doctor: Option<String>,
     checkpoint: usize,
     ffn_chunk: usize,
 }
@@ -94,7 +100,7 @@ struct Args {
 fn usage() -> &'static str {
     "usage: train [--model mlp|cnn|transformer]... [--opt-level O0|O1|O2|O3]... [--half f16|bf16] \
      [--data FILE.csv] [--steps N] [--seed N] [--json] [--save DIR] [--resume DIR] [--report DIR] \
-     [--checkpoint SEGMENTS] [--ffn-chunk N]"
+     [--doctor DIR] [--checkpoint SEGMENTS] [--ffn-chunk N]"
 }
 
 fn parse_args() -> Result<Args> {
@@ -110,6 +116,7 @@ fn parse_args() -> Result<Args> {
         save: None,
         resume: None,
         report: None,
+        doctor: None,
         checkpoint: 0,
         ffn_chunk: 0,
     };
@@ -127,6 +134,7 @@ fn parse_args() -> Result<Args> {
             "--save" => a.save = Some(value()?),
             "--resume" => a.resume = Some(value()?),
             "--report" => a.report = Some(value()?),
+            "--doctor" => a.doctor = Some(value()?),
             "--checkpoint" => a.checkpoint = value()?.parse().context("--checkpoint takes a number of segments")?,
             "--ffn-chunk" => a.ffn_chunk = value()?.parse().context("--ffn-chunk takes a number of positions")?,
             "-h" | "--help" => {
@@ -286,6 +294,10 @@ fn train_one(kind: ModelKind, task: &Task, level: amp::OptLevel, a: &Args) -> Re
     })?;
     let mut opt = amp.optimizer(adamw()?)?;
     let param_dtype = weight_dtype(&amp)?;
+    let doctor = match &a.doctor {
+        Some(_) => Some(amp::doctor::Doctor::attach(&amp, Default::default())?),
+        None => None,
+    };
 
     let mut start = 0usize;
     let mut progress = Progress::default();
@@ -369,6 +381,21 @@ fn train_one(kind: ModelKind, task: &Task, level: amp::OptLevel, a: &Args) -> Re
         }
     }
     pb.finish_and_clear();
+    if let (Some(dir), Some(doctor)) = (&a.doctor, &doctor) {
+        let report = doctor.report();
+        let base = std::path::Path::new(dir).join(format!("{}-{level}-{}-doctor", kind.name(), a.half));
+        let json = base.with_extension("json");
+        std::fs::write(&json, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", json.display()))?;
+        let svg = base.with_extension("svg");
+        doctor_svg::draw(
+            &svg,
+            &format!("{} {level} {}", kind.name(), half_label(level, a.half)),
+            &report,
+        )?;
+        eprintln!("{report}");
+        eprintln!("wrote {} and {}", json.display(), svg.display());
+    }
     if let Some(root) = &a.save {
         let dir = run_dir(root, kind, level, a.half);
         dir.save(
@@ -476,6 +503,9 @@ fn main() -> Result<()> {
     }
     if let Some(dir) = &a.report {
         check_writable("--report", dir)?;
+    }
+    if let Some(dir) = &a.doctor {
+        check_writable("--doctor", dir)?;
     }
     if let Some(root) = &a.resume {
         // Verify every checkpoint before training anything.

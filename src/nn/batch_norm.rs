@@ -32,6 +32,8 @@ pub struct BatchNorm {
     remove_mean: bool,
     eps: f64,
     momentum: f64,
+    /// Its VarBuilder path (what the numerics doctor and per-layer f32 overrides call it).
+    name: Option<Arc<str>>,
 }
 
 /// Builds a [`BatchNorm`] (same signature as `candle_nn::batch_norm`). Parameters are
@@ -63,6 +65,7 @@ pub fn batch_norm<C: Into<BatchNormConfig>>(num_features: usize, config: C, vb: 
         remove_mean: config.remove_mean,
         eps: config.eps,
         momentum: config.momentum,
+        name: crate::nn::layer_name(&vb),
     })
 }
 
@@ -338,6 +341,12 @@ impl CustomOp1 for SyncNorm {
 
 impl ModuleT for BatchNorm {
     fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        crate::precision::observe::layer(self.name.as_ref(), x, None, |x| self.forward_named(x, train))
+    }
+}
+
+impl BatchNorm {
+    fn forward_named(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         let in_dtype = x.dtype();
         let xn = self.normalise(x, train)?;
         let y = match &self.weight_and_bias {

@@ -1,21 +1,41 @@
 //! Linear and embedding layers.
 
+use std::sync::Arc;
+
 use candle_core::{Result, Tensor};
 use candle_nn::{Module, VarBuilder};
 
-use crate::precision::ops;
+use crate::precision::{observe, ops};
 
 /// A linear layer `x w^T + b` that runs in half under autocast.
 #[derive(Debug, Clone)]
 pub struct Linear {
     weight: Tensor,
     bias: Option<Tensor>,
+    /// Its VarBuilder path (what the numerics doctor and per-layer f32 overrides call it).
+    name: Option<Arc<str>>,
 }
 
 impl Linear {
     /// A layer from its weight `(out, in)` and optional bias `(out,)`.
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
-        Self { weight, bias }
+        Self {
+            weight,
+            bias,
+            name: None,
+        }
+    }
+
+    /// Names the layer (its VarBuilder path when built by the constructor function): the name
+    /// the numerics doctor reports and [`crate::Amp::keep_layer_f32`] takes.
+    pub fn with_name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(Arc::from(name.into()));
+        self
+    }
+
+    /// The layer's name, if it has one.
+    pub fn name(&self) -> Option<&str> {
+        self.name.as_deref()
     }
 
     /// The weight.
@@ -29,22 +49,33 @@ impl Linear {
     }
 }
 
+impl Linear {
+    fn named(mut self, name: Option<Arc<str>>) -> Self {
+        self.name = name;
+        self
+    }
+}
+
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        ops::linear(x, &self.weight, self.bias.as_ref())
+        observe::layer(self.name.as_ref(), x, Some(self.weight.dtype()), |x| {
+            ops::linear(x, &self.weight, self.bias.as_ref())
+        })
     }
 }
 
 /// Builds a [`Linear`] as `candle_nn::linear` does (names `weight`, `bias`; same init).
 pub fn linear(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<Linear> {
+    let name = crate::nn::layer_name(&vb);
     let l = candle_nn::linear(in_dim, out_dim, vb)?;
-    Ok(Linear::new(l.weight().clone(), l.bias().cloned()))
+    Ok(Linear::new(l.weight().clone(), l.bias().cloned()).named(name))
 }
 
 /// Builds a [`Linear`] without bias, as `candle_nn::linear_no_bias` does.
 pub fn linear_no_bias(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<Linear> {
+    let name = crate::nn::layer_name(&vb);
     let l = candle_nn::linear_no_bias(in_dim, out_dim, vb)?;
-    Ok(Linear::new(l.weight().clone(), None))
+    Ok(Linear::new(l.weight().clone(), None).named(name))
 }
 
 /// An embedding table. Lookups are on no cast list: they return the table's type.
@@ -52,6 +83,8 @@ pub fn linear_no_bias(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<L
 pub struct Embedding {
     embeddings: Tensor,
     hidden: usize,
+    /// Its VarBuilder path (what the numerics doctor and per-layer f32 overrides call it).
+    name: Option<Arc<str>>,
 }
 
 impl Embedding {
@@ -59,21 +92,30 @@ impl Embedding {
     pub fn embeddings(&self) -> &Tensor {
         &self.embeddings
     }
+
+    /// The layer's name (its VarBuilder path), if it has one.
+    pub fn name(&self) -> Option<&str> {
+        self.name.as_deref()
+    }
 }
 
 impl Module for Embedding {
     fn forward(&self, ids: &Tensor) -> Result<Tensor> {
-        let mut shape = ids.dims().to_vec();
-        shape.push(self.hidden);
-        self.embeddings.index_select(&ids.flatten_all()?, 0)?.reshape(shape)
+        observe::layer(self.name.as_ref(), ids, None, |ids| {
+            let mut shape = ids.dims().to_vec();
+            shape.push(self.hidden);
+            self.embeddings.index_select(&ids.flatten_all()?, 0)?.reshape(shape)
+        })
     }
 }
 
 /// Builds an [`Embedding`] as `candle_nn::embedding` does (name `weight`, normal init).
 pub fn embedding(vocab: usize, hidden: usize, vb: VarBuilder) -> Result<Embedding> {
+    let name = crate::nn::layer_name(&vb);
     let e = candle_nn::embedding(vocab, hidden, vb)?;
     Ok(Embedding {
         embeddings: e.embeddings().clone(),
         hidden,
+        name,
     })
 }

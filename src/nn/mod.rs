@@ -26,6 +26,8 @@
 //! # Ok(()) }
 //! ```
 
+use candle_nn::VarBuilder;
+
 mod attention;
 mod batch_norm;
 mod conv;
@@ -42,6 +44,12 @@ pub use linear::{Embedding, Linear, embedding, linear, linear_no_bias};
 pub use norm::{GroupNorm, LayerNorm, RmsNorm, group_norm, layer_norm, rms_norm};
 
 pub use crate::precision::ops::{log_softmax, softmax};
+
+/// A layer's name: its VarBuilder path (`None` at the root).
+fn layer_name(vb: &VarBuilder) -> Option<std::sync::Arc<str>> {
+    let p = vb.prefix();
+    (!p.is_empty()).then(|| std::sync::Arc::from(p))
+}
 
 /// Losses: always computed and returned in f32.
 pub mod loss {

@@ -1,9 +1,11 @@
 //! Layer, RMS and group normalisation: differentiable, statistics in f32.
 
+use std::sync::Arc;
+
 use candle_core::{Result, Tensor};
 use candle_nn::{Init, LayerNormConfig, Module, VarBuilder};
 
-use crate::precision::ops;
+use crate::precision::{observe, ops};
 
 /// Layer normalisation over the last dimension.
 #[derive(Debug, Clone)]
@@ -12,19 +14,23 @@ pub struct LayerNorm {
     bias: Option<Tensor>,
     remove_mean: bool,
     eps: f64,
+    /// Its VarBuilder path (what the numerics doctor and per-layer f32 overrides call it).
+    name: Option<Arc<str>>,
 }
 
 impl Module for LayerNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if self.remove_mean {
-            ops::layer_norm(x, self.weight.as_ref(), self.bias.as_ref(), self.eps)
-        } else {
-            let y = ops::rms_norm(x, self.weight.as_ref(), self.eps)?;
-            match &self.bias {
-                Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?),
-                None => Ok(y),
+        observe::layer(self.name.as_ref(), x, None, |x| {
+            if self.remove_mean {
+                ops::layer_norm(x, self.weight.as_ref(), self.bias.as_ref(), self.eps)
+            } else {
+                let y = ops::rms_norm(x, self.weight.as_ref(), self.eps)?;
+                match &self.bias {
+                    Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?),
+                    None => Ok(y),
+                }
             }
-        }
+        })
     }
 }
 
@@ -42,6 +48,7 @@ pub fn layer_norm<C: Into<LayerNormConfig>>(size: usize, config: C, vb: VarBuild
         bias,
         remove_mean: c.remove_mean,
         eps: c.eps,
+        name: crate::nn::layer_name(&vb),
     })
 }
 
@@ -50,11 +57,15 @@ pub fn layer_norm<C: Into<LayerNormConfig>>(size: usize, config: C, vb: VarBuild
 pub struct RmsNorm {
     weight: Tensor,
     eps: f64,
+    /// Its VarBuilder path (what the numerics doctor and per-layer f32 overrides call it).
+    name: Option<Arc<str>>,
 }
 
 impl Module for RmsNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        ops::rms_norm(x, Some(&self.weight), self.eps)
+        observe::layer(self.name.as_ref(), x, None, |x| {
+            ops::rms_norm(x, Some(&self.weight), self.eps)
+        })
     }
 }
 
@@ -63,6 +74,7 @@ pub fn rms_norm(size: usize, eps: f64, vb: VarBuilder) -> Result<RmsNorm> {
     Ok(RmsNorm {
         weight: vb.get_with_hints(size, "weight", Init::Const(1.))?,
         eps,
+        name: crate::nn::layer_name(&vb),
     })
 }
 
@@ -73,11 +85,15 @@ pub struct GroupNorm {
     bias: Tensor,
     groups: usize,
     eps: f64,
+    /// Its VarBuilder path (what the numerics doctor and per-layer f32 overrides call it).
+    name: Option<Arc<str>>,
 }
 
 impl Module for GroupNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        ops::group_norm(x, self.groups, Some(&self.weight), Some(&self.bias), self.eps)
+        observe::layer(self.name.as_ref(), x, None, |x| {
+            ops::group_norm(x, self.groups, Some(&self.weight), Some(&self.bias), self.eps)
+        })
     }
 }
 
@@ -91,5 +107,6 @@ pub fn group_norm(num_groups: usize, num_channels: usize, eps: f64, vb: VarBuild
         bias: vb.get_with_hints(num_channels, "bias", Init::Const(0.))?,
         groups: num_groups,
         eps,
+        name: crate::nn::layer_name(&vb),
     })
 }

@@ -33,15 +33,16 @@
 //!   can register more names, or override built-in ones (`Amp::register_op`).
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard, RwLock};
 
 use candle_core::{DType, Tensor, TensorId};
 
 use super::cast_lists::builtin_policy;
 pub use super::cast_lists::{CAST_LISTS, CastPolicy};
+use super::recording::Observer;
 use crate::comm::Communicator;
 use crate::kernels::{self, fingerprint::sampled_fingerprint};
 
@@ -204,7 +205,20 @@ pub(crate) struct CastContext {
     warned_no_ops: AtomicBool,
     /// The process group batch norm synchronises over (data parallel), if switched on.
     sync: RwLock<Option<Arc<dyn Communicator>>>,
+    /// What the layer and op hooks (`precision::observe`) have to do: `HOOK_OBSERVER` when an
+    /// observer is installed, `HOOK_F32_LAYERS` when some layer is kept in f32. Zero (the
+    /// usual case) costs the hooks one branch.
+    hooks: AtomicU8,
+    /// The numerics doctor's recorder, if one is attached.
+    observer: RwLock<Option<Arc<dyn Observer>>>,
+    /// Layers (by VarBuilder path) that run in f32 whatever the level, with who asked for it.
+    f32_layers: RwLock<BTreeMap<String, String>>,
 }
+
+/// `CastContext::hooks`: an observer is installed.
+const HOOK_OBSERVER: u8 = 1;
+/// `CastContext::hooks`: some layer is kept in f32.
+const HOOK_F32_LAYERS: u8 = 2;
 
 impl std::fmt::Debug for CastContext {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -228,7 +242,76 @@ impl CastContext {
             last_half_ops: AtomicUsize::new(0),
             warned_no_ops: AtomicBool::new(false),
             sync: RwLock::new(None),
+            hooks: AtomicU8::new(0),
+            observer: RwLock::new(None),
+            f32_layers: RwLock::new(BTreeMap::new()),
         }
+    }
+
+    /// Whether any layer or op hook has work to do (an observer or an f32 layer).
+    #[inline]
+    pub(crate) fn hooked(&self) -> bool {
+        self.hooks.load(Ordering::Relaxed) != 0
+    }
+
+    /// Installs (or removes) the observer the layer, op and guard hooks report to.
+    pub(crate) fn set_observer(&self, observer: Option<Arc<dyn Observer>>) {
+        let on = observer.is_some();
+        *self.observer.write().unwrap_or_else(|p| p.into_inner()) = observer;
+        if on {
+            self.hooks.fetch_or(HOOK_OBSERVER, Ordering::Relaxed);
+        } else {
+            self.hooks.fetch_and(!HOOK_OBSERVER, Ordering::Relaxed);
+        }
+    }
+
+    /// The installed observer, if any.
+    pub(crate) fn observer(&self) -> Option<Arc<dyn Observer>> {
+        if self.hooks.load(Ordering::Relaxed) & HOOK_OBSERVER == 0 {
+            return None;
+        }
+        self.observer.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// The installed observer when it records the current step.
+    pub(crate) fn recording_observer(&self) -> Option<Arc<dyn Observer>> {
+        self.observer().filter(|o| o.recording())
+    }
+
+    /// Keeps the layer `name` in f32 (`Some(origin)`: who asked, e.g. `"user"`, `"doctor"`,
+    /// `"auto"`) or returns it to the run's policy (`None`). Returns whether anything changed.
+    pub(crate) fn set_f32_layer(&self, name: &str, origin: Option<&str>) -> bool {
+        let mut m = self.f32_layers.write().unwrap_or_else(|p| p.into_inner());
+        let changed = match origin {
+            Some(o) => m.insert(name.to_string(), o.to_string()).as_deref() != Some(o),
+            None => m.remove(name).is_some(),
+        };
+        if m.is_empty() {
+            self.hooks.fetch_and(!HOOK_F32_LAYERS, Ordering::Relaxed);
+        } else {
+            self.hooks.fetch_or(HOOK_F32_LAYERS, Ordering::Relaxed);
+        }
+        changed
+    }
+
+    /// The layers kept in f32, with who asked for each.
+    pub(crate) fn f32_layers(&self) -> BTreeMap<String, String> {
+        self.f32_layers.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Whether some layer is kept in f32.
+    pub(crate) fn has_f32_layers(&self) -> bool {
+        self.hooks.load(Ordering::Relaxed) & HOOK_F32_LAYERS != 0
+    }
+
+    /// Whether the layer `name` is kept in f32.
+    pub(crate) fn is_f32_layer(&self, name: &str) -> bool {
+        self.has_f32_layers()
+            && self
+                .f32_layers
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains_key(name)
     }
 
     /// The half type.
@@ -386,6 +469,12 @@ pub struct AutocastPolicy {
     pub(crate) transparent: bool,
     /// What gradient checkpointing is doing on this thread (a transparent marker scope).
     pub(crate) phase: Phase,
+    /// A layer kept in f32: every op under this scope computes in f32 (Half-list ops too),
+    /// whatever the level.
+    pub(crate) force_f32: bool,
+    /// A transparent marker: the thread is inside a named layer's forward, so the ops it
+    /// calls are not recorded separately (the layer's output is).
+    pub(crate) in_layer: bool,
 }
 
 /// What gradient checkpointing (`recompute`) is doing on a thread, carried by a transparent
@@ -413,6 +502,8 @@ impl AutocastPolicy {
             context,
             transparent: false,
             phase: Phase::Normal,
+            force_f32: false,
+            in_layer: false,
         }
     }
 
@@ -423,6 +514,8 @@ impl AutocastPolicy {
             context,
             transparent: true,
             phase: Phase::Normal,
+            force_f32: false,
+            in_layer: false,
         }
     }
 
@@ -518,6 +611,8 @@ pub fn disable() -> AutocastGuard {
             context: p.context,
             transparent: false,
             phase: Phase::Normal,
+            force_f32: false,
+            in_layer: false,
         }),
         None => AutocastGuard {
             id: None,
@@ -555,6 +650,49 @@ pub(crate) fn active() -> Option<Arc<CastContext>> {
     })
 }
 
+/// The context of this thread's policy when autocast is enabled, and whether the scope
+/// forces f32 (a layer kept in f32).
+pub(crate) fn active_forced() -> Option<(Arc<CastContext>, bool)> {
+    SCOPES.with(|s| {
+        s.borrow()
+            .iter()
+            .rev()
+            .find(|(_, p)| !p.transparent)
+            .filter(|(_, p)| p.enabled)
+            .map(|(_, p)| (p.context.clone(), p.force_f32))
+    })
+}
+
+/// The innermost open scope's context when its hooks have work to do (an observer, an f32
+/// layer): a thread-local read and one branch otherwise.
+#[inline]
+pub(crate) fn hooked_context() -> Option<Arc<CastContext>> {
+    SCOPES.with(|s| {
+        s.borrow()
+            .last()
+            .filter(|(_, p)| p.context.hooked())
+            .map(|(_, p)| p.context.clone())
+    })
+}
+
+/// Whether this thread is inside a named layer's forward (see `AutocastPolicy::in_layer`).
+pub(crate) fn in_layer() -> bool {
+    SCOPES.with(|s| s.borrow().iter().any(|(_, p)| p.in_layer))
+}
+
+/// Enters a named layer's scope over `context`: a transparent marker, or with `force_f32`
+/// an enabled policy under which every op computes in f32 (a layer kept in f32).
+pub(crate) fn enter_layer(context: Arc<CastContext>, force_f32: bool) -> AutocastGuard {
+    enter(AutocastPolicy {
+        enabled: force_f32,
+        context,
+        transparent: !force_f32,
+        phase: Phase::Normal,
+        force_f32,
+        in_layer: true,
+    })
+}
+
 /// The batch-norm process group of the innermost open run that has one (data parallel with
 /// synchronised batch norm).
 pub(crate) fn sync_group() -> Option<Arc<dyn Communicator>> {
@@ -577,6 +715,8 @@ pub(crate) fn enter_phase(phase: Phase) -> AutocastGuard {
         context,
         transparent: true,
         phase,
+        force_f32: false,
+        in_layer: false,
     })
 }
 

@@ -15,6 +15,8 @@
 pub mod autocast;
 pub(crate) mod cast_lists;
 pub(crate) mod model;
+pub(crate) mod observe;
 pub mod ops;
 pub(crate) mod opt_level;
+pub(crate) mod recording;
 pub(crate) mod store;

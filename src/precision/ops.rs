@@ -14,6 +14,7 @@ pub use candle_core::op::CmpOp;
 use candle_core::{D, DType, Device, Result, Tensor};
 
 use super::autocast::{self, CastPolicy, eligible};
+use super::observe::op as rec;
 use crate::kernels;
 
 fn widest(xs: &[&Tensor]) -> Option<DType> {
@@ -28,10 +29,15 @@ fn widest(xs: &[&Tensor]) -> Option<DType> {
 /// Casts `xs` for op `op` under the current policy; returns the tensors and whether an
 /// enabled policy applied a Float policy (so outputs stay f32).
 fn prepare(op: &str, xs: &[&Tensor]) -> Result<(Vec<Tensor>, bool)> {
-    let Some(ctx) = autocast::active() else {
+    let Some((ctx, force_f32)) = autocast::active_forced() else {
         return Ok((xs.iter().map(|t| (*t).clone()).collect(), false));
     };
-    match ctx.policy(op) {
+    let policy = match ctx.policy(op) {
+        // A layer kept in f32: what would run in half or promote runs in f32.
+        Some(CastPolicy::Half | CastPolicy::Promote) if force_f32 => Some(CastPolicy::Float),
+        p => p,
+    };
+    match policy {
         None => Ok((xs.iter().map(|t| (*t).clone()).collect(), false)),
         Some(CastPolicy::Half) => {
             ctx.note_half();
@@ -65,7 +71,7 @@ fn prepare(op: &str, xs: &[&Tensor]) -> Result<(Vec<Tensor>, bool)> {
 /// [`crate::Amp::register_op`]); unregistered names run unchanged.
 pub fn call(name: &str, xs: &[&Tensor], f: impl FnOnce(&[Tensor]) -> Result<Tensor>) -> Result<Tensor> {
     let (xs, _) = prepare(name, xs)?;
-    f(&xs)
+    rec(name, f(&xs))
 }
 
 fn to_f32(t: &Tensor) -> Result<Tensor> {
@@ -91,18 +97,18 @@ fn float_op(op: &str, x: &Tensor, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> 
     let orig = x.dtype();
     let (xs, on) = prepare(op, &[x])?;
     let y = f(&to_f32(&xs[0])?)?;
-    back_to(y, orig, on)
+    rec(op, back_to(y, orig, on))
 }
 
 /// A Float-list pointwise op: in f32 under autocast, in the input's type otherwise.
 fn pointwise_op(op: &str, x: &Tensor, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
     let (xs, _) = prepare(op, &[x])?;
-    f(&xs[0])
+    rec(op, f(&xs[0]))
 }
 
 fn promote2(op: &str, a: &Tensor, b: &Tensor, f: impl FnOnce(&Tensor, &Tensor) -> Result<Tensor>) -> Result<Tensor> {
     let (xs, _) = prepare(op, &[a, b])?;
-    f(&xs[0], &xs[1])
+    rec(op, f(&xs[0], &xs[1]))
 }
 
 // ---------------------------------------------------------------- half list
@@ -111,13 +117,13 @@ fn promote2(op: &str, a: &Tensor, b: &Tensor, f: impl FnOnce(&Tensor, &Tensor) -
 /// [`kernels::matmul`] (f32 accumulation; batch entries in parallel).
 pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let (xs, _) = prepare("matmul", &[a, b])?;
-    kernels::matmul(&xs[0], &xs[1])
+    rec("matmul", kernels::matmul(&xs[0], &xs[1]))
 }
 
 /// Batched matrix product (`(b, n, k) x (b, k, m)`), in half.
 pub fn bmm(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let (xs, _) = prepare("bmm", &[a, b])?;
-    kernels::matmul(&xs[0], &xs[1])
+    rec("bmm", kernels::matmul(&xs[0], &xs[1]))
 }
 
 /// `x w^T + b` for `x` of any rank (as candle-nn's `Linear`), in half, as one fused op
@@ -129,7 +135,7 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
         args.push(b);
     }
     let (xs, _) = prepare("linear", &args)?;
-    kernels::linear(&xs[0], &xs[1], xs.get(2))
+    rec("linear", kernels::linear(&xs[0], &xs[1], xs.get(2)))
 }
 
 /// candle's CPU backend has no bf16 convolution (its conv2d calls an f32/f16-only gemm):
@@ -175,7 +181,7 @@ pub fn conv1d(x: &Tensor, w: &Tensor, b: Option<&Tensor>, cfg: candle_nn::Conv1d
         x.conv2d(&w.unsqueeze(2)?, 0, cfg.stride, cfg.dilation, cfg.groups)?
             .squeeze(2)
     })?;
-    add_channel_bias(y, xs.get(2), 3)
+    rec("conv1d", add_channel_bias(y, xs.get(2), 3))
 }
 
 /// 2-d convolution, in half (bf16 on CPU computes in f32, see the module notes).
@@ -184,7 +190,7 @@ pub fn conv2d(x: &Tensor, w: &Tensor, b: Option<&Tensor>, cfg: candle_nn::Conv2d
     let y = conv_in_supported_dtype(&xs[0], &xs[1], |x, w| {
         x.conv2d(w, cfg.padding, cfg.stride, cfg.dilation, cfg.groups)
     })?;
-    add_channel_bias(y, xs.get(2), 4)
+    rec("conv2d", add_channel_bias(y, xs.get(2), 4))
 }
 
 /// 1-d transposed convolution, in half.
@@ -198,7 +204,7 @@ pub fn conv_transpose1d(
     let y = conv_in_supported_dtype(&xs[0], &xs[1], |x, w| {
         x.conv_transpose1d(w, cfg.padding, cfg.output_padding, cfg.stride, cfg.dilation, cfg.groups)
     })?;
-    add_channel_bias(y, xs.get(2), 3)
+    rec("conv_transpose1d", add_channel_bias(y, xs.get(2), 3))
 }
 
 /// 2-d transposed convolution, in half.
@@ -212,7 +218,7 @@ pub fn conv_transpose2d(
     let y = conv_in_supported_dtype(&xs[0], &xs[1], |x, w| {
         x.conv_transpose2d(w, cfg.padding, cfg.output_padding, cfg.stride, cfg.dilation)
     })?;
-    add_channel_bias(y, xs.get(2), 4)
+    rec("conv_transpose2d", add_channel_bias(y, xs.get(2), 4))
 }
 
 /// PReLU with one slope per channel (dimension 1) or a single slope, in half.
@@ -227,7 +233,7 @@ pub fn prelu(x: &Tensor, alpha: &Tensor) -> Result<Tensor> {
         a.reshape(shape)?
     };
     let neg = x.minimum(0.0)?.broadcast_mul(&a)?;
-    x.relu()? + neg
+    rec("prelu", x.relu()? + neg)
 }
 
 // ---------------------------------------------------------------- float list
@@ -348,14 +354,14 @@ pub fn log_softmax(x: &Tensor, dim: usize) -> Result<Tensor> {
 /// input's type; `w` and `b` may be of another float type than `x`.
 pub fn layer_norm(x: &Tensor, w: Option<&Tensor>, b: Option<&Tensor>, eps: f64) -> Result<Tensor> {
     let (xs, _) = prepare("layer_norm", &[x])?;
-    kernels::layer_norm(&xs[0], w, b, eps)
+    rec("layer_norm", kernels::layer_norm(&xs[0], w, b, eps))
 }
 
 /// RMS normalisation over the last dimension, differentiable, statistics in f32, as one op
 /// ([`kernels::rms_norm`]); result types as [`layer_norm`].
 pub fn rms_norm(x: &Tensor, w: Option<&Tensor>, eps: f64) -> Result<Tensor> {
     let (xs, _) = prepare("rms_norm", &[x])?;
-    kernels::rms_norm(&xs[0], w, eps)
+    rec("rms_norm", kernels::rms_norm(&xs[0], w, eps))
 }
 
 /// Group normalisation of `(N, C, ...)` input into `groups` groups, statistics in f32, with
@@ -379,10 +385,13 @@ pub fn group_norm(x: &Tensor, groups: usize, w: Option<&Tensor>, b: Option<&Tens
         Some(w) => y.broadcast_mul(&w.to_dtype(y.dtype())?.reshape(cshape.as_slice())?)?,
         None => y,
     };
-    match b {
-        Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?.reshape(cshape.as_slice())?),
-        None => Ok(y),
-    }
+    rec(
+        "group_norm",
+        match b {
+            Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?.reshape(cshape.as_slice())?),
+            None => Ok(y),
+        },
+    )
 }
 
 // ---------------------------------------------------------------- losses (always f32)
@@ -534,11 +543,11 @@ pub fn where_cond(mask: &Tensor, on_true: &Tensor, on_false: &Tensor) -> Result<
 /// Concatenation along `dim`, mixed types promoted.
 pub fn cat(xs: &[&Tensor], dim: usize) -> Result<Tensor> {
     let (xs, _) = prepare("cat", xs)?;
-    Tensor::cat(&xs, dim)
+    rec("cat", Tensor::cat(&xs, dim))
 }
 
 /// Stacking along a new `dim`, mixed types promoted.
 pub fn stack(xs: &[&Tensor], dim: usize) -> Result<Tensor> {
     let (xs, _) = prepare("stack", xs)?;
-    Tensor::stack(&xs, dim)
+    rec("stack", Tensor::stack(&xs, dim))
 }

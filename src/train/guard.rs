@@ -26,6 +26,12 @@ use super::optim::{AmpOptimizer, Round};
 use super::run::{RunState, merge_grads};
 use crate::error::{AmpError, CallOrderKind, Result};
 use crate::kernels::unscale::nonfinite;
+use crate::precision::recording::{BackwardInfo, TensorKind};
+
+/// The name the numerics doctor gives loss `id`'s value.
+fn loss_name(id: usize) -> String {
+    if id == 0 { "loss".into() } else { format!("loss{id}") }
+}
 
 /// What a backward through the guard (or [`crate::GradScaler::accumulate`]) found.
 #[derive(Debug, Clone, PartialEq)]
@@ -138,6 +144,9 @@ impl<'a> ScaleLoss<'a> {
             (true, false) => (nonfinite(&loss32)?, None),
             (true, true) => (false, Some(crate::train::optim::device_flag(&loss32)?)),
         };
+        if let Some(o) = run.casts.recording_observer() {
+            o.record(&loss_name(loss_id), TensorKind::Loss, &loss32, 1.0);
+        }
         let scaled = loss32.affine(scale as f64, 0.0)?;
         Ok(Self {
             run,
@@ -244,6 +253,16 @@ pub(crate) fn run_stages(
     if loss_nonfinite {
         nonfinite.push("<loss>".to_string());
     }
+    // The numerics doctor (if attached) reads the raw, still scaled gradients here.
+    let observer = run.casts.observer();
+    let recording = observer.as_ref().filter(|o| o.recording());
+    if let Some(o) = recording {
+        for (name, v) in &all {
+            if let Some(g) = grads.get(v.as_tensor()) {
+                o.record(name, TensorKind::Grad, g, 1.0);
+            }
+        }
+    }
     let mut per_opt = Vec::with_capacity(owned.len());
     let mut deferred = false;
     for (opt, params) in optimizers.iter_mut().zip(&owned) {
@@ -280,6 +299,21 @@ pub(crate) fn run_stages(
     for (opt, (g, _)) in optimizers.iter_mut().zip(per_opt) {
         let flags = deferred.then(|| (block.clone(), loss_flag.clone()));
         opt.accumulate(round, g, found_inf, nonfinite.clone(), flags)?;
+    }
+    if let Some(o) = &observer {
+        if o.recording() {
+            for (name, v) in &all {
+                o.record(name, TensorKind::Weight, v.as_tensor(), 1.0);
+            }
+            for (name, g) in optimizers.iter().flat_map(|opt| opt.master_grads()) {
+                o.record(name, TensorKind::MasterGrad, g, scale);
+            }
+        }
+        o.end_backward(&BackwardInfo {
+            scale,
+            found_inf,
+            nonfinite: &nonfinite,
+        });
     }
     Ok(BackwardReport {
         found_inf,

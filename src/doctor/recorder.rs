@@ -1,0 +1,328 @@
+//! The recorder the run's cast context calls: it computes each tensor's statistics on
+//! observed steps and folds them into one bounded aggregate per tensor name, so memory does
+//! not grow with the step count.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard, Weak};
+
+use candle_core::{DType, Tensor};
+use serde::{Deserialize, Serialize};
+
+use super::DoctorConfig;
+use super::stats::{self, BINADES};
+use crate::precision::recording::{BackwardInfo, Observer, TensorKind};
+use crate::train::run::RunState;
+
+/// The most switch events kept (the oldest go first).
+pub(crate) const MAX_EVENTS: usize = 256;
+
+/// One switch of the automatic fallback.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SwitchEvent {
+    /// The doctor's step (backward passes since it was attached) at which it switched.
+    pub step: u64,
+    /// The layer (its VarBuilder path).
+    pub layer: String,
+    /// `true`: to f32; `false`: back to the run's policy.
+    pub to_f32: bool,
+    /// Why, with the figures.
+    pub reason: String,
+}
+
+/// The fallback's bookkeeping.
+#[derive(Debug, Default)]
+pub(crate) struct FallbackState {
+    pub switched: BTreeSet<String>,
+    pub events: VecDeque<SwitchEvent>,
+}
+
+/// The fallback's decision after an observed step: the switches to make, (layer, to f32).
+pub(crate) type Decide = fn(&DoctorConfig, &mut State) -> Vec<(String, bool)>;
+
+/// One observation of a tensor, as the fallback window keeps it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Sample {
+    /// Underflow fraction in the run's half type.
+    pub underflow: f64,
+    /// Overflow fraction in f16 (infinities included).
+    pub overflow: f64,
+    /// Whether it was the first non-finite activation of its step.
+    pub root_nonfinite: bool,
+}
+
+/// Everything kept about one tensor name over the observed steps.
+#[derive(Debug, Clone)]
+pub(crate) struct Aggregate {
+    pub kind: TensorKind,
+    /// When it was first recorded (forward order within a step).
+    pub order: u64,
+    pub dtype: DType,
+    pub observations: u64,
+    pub elements: u64,
+    pub amax: f64,
+    pub amin_nonzero: f64,
+    pub sum_mean_abs: f64,
+    pub sum_zero: f64,
+    pub sum_under16: f64,
+    pub sum_underbf: f64,
+    pub sum_over16: f64,
+    pub worst_over16: f64,
+    pub nonfinite: u64,
+    pub range: f64,
+    /// Observations in which it was the first non-finite activation (or gradient, with a
+    /// finite forward) of its step: a root cause, not a consequence.
+    pub root_nonfinite: u64,
+    /// The loss scale of its last observation.
+    pub scale: f64,
+    /// The largest finite unscaled magnitude (gradients: `amax / scale` of raw ones).
+    pub amax_unscaled: f64,
+    /// Nonzero finite magnitudes by binade, unscaled (gradients only).
+    pub binades: Option<Vec<u64>>,
+    /// Elements counted in `binades`.
+    pub binade_elements: u64,
+    /// The last `window` observations.
+    pub window: VecDeque<Sample>,
+}
+
+/// What the recorder knows.
+#[derive(Debug, Default)]
+pub(crate) struct State {
+    /// Backward passes seen (the doctor's steps).
+    pub step: u64,
+    pub observed: u64,
+    pub next_order: u64,
+    pub op_calls: HashMap<String, u32>,
+    pub tensors: BTreeMap<(String, TensorKind), Aggregate>,
+    /// This step: whether a forward tensor (or the loss) was not finite.
+    pub forward_bad: bool,
+    /// This step: whether a gradient was non-finite (root found).
+    pub grad_bad: bool,
+    /// Loss scale after each backward, thinned to stay bounded: (step, scale, skipped).
+    pub scales: Vec<(u64, f32, bool)>,
+    pub scale_stride: u64,
+    /// Steps whose gradients were non-finite with a finite forward, and the parameters
+    /// named, per parameter: how many times.
+    pub overflowed_params: BTreeMap<String, u64>,
+    pub skipped_steps: u64,
+    pub fallback: FallbackState,
+}
+
+/// The doctor's recorder.
+pub(crate) struct Recorder {
+    pub cfg: DoctorConfig,
+    pub half: DType,
+    pub autocasts: bool,
+    recording: AtomicBool,
+    state: Mutex<State>,
+    /// The run, for the automatic fallback's switches (weak: the run holds the recorder).
+    pub run: Weak<RunState>,
+    /// The automatic fallback's rule.
+    decide: Decide,
+}
+
+impl Recorder {
+    pub(crate) fn new(cfg: DoctorConfig, half: DType, autocasts: bool, run: Weak<RunState>, decide: Decide) -> Self {
+        Self {
+            cfg,
+            half,
+            autocasts,
+            recording: AtomicBool::new(true),
+            state: Mutex::new(State {
+                scale_stride: 1,
+                ..Default::default()
+            }),
+            run,
+            decide,
+        }
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn fold(&self, name: String, kind: TensorKind, t: &Tensor, scale: f32) {
+        let grad = matches!(kind, TensorKind::Grad | TensorKind::MasterGrad);
+        let s = match stats::compute(t, scale, grad) {
+            Ok(s) => s,
+            Err(e) => {
+                log::warn!("doctor: no statistics for {name}: {e}");
+                return;
+            }
+        };
+        let (st, hist) = s;
+        let mut g = self.lock();
+        let state = &mut *g;
+        let forward = matches!(kind, TensorKind::Activation | TensorKind::Loss);
+        let mut root = false;
+        if st.nonfinite > 0 {
+            if forward && !state.forward_bad {
+                state.forward_bad = true;
+                root = true;
+            } else if grad && !state.forward_bad && kind == TensorKind::Grad {
+                root = true;
+                state.grad_bad = true;
+            }
+        }
+        let order = state.next_order;
+        let agg = state.tensors.entry((name, kind)).or_insert_with(|| Aggregate {
+            kind,
+            order,
+            dtype: t.dtype(),
+            observations: 0,
+            elements: 0,
+            amax: 0.0,
+            amin_nonzero: f64::INFINITY,
+            sum_mean_abs: 0.0,
+            sum_zero: 0.0,
+            sum_under16: 0.0,
+            sum_underbf: 0.0,
+            sum_over16: 0.0,
+            worst_over16: 0.0,
+            nonfinite: 0,
+            range: 0.0,
+            root_nonfinite: 0,
+            scale: 1.0,
+            amax_unscaled: 0.0,
+            binades: None,
+            binade_elements: 0,
+            window: VecDeque::new(),
+        });
+        if agg.order == order {
+            state.next_order += 1;
+        }
+        agg.dtype = t.dtype();
+        agg.observations += 1;
+        agg.elements = st.elements;
+        agg.amax = agg.amax.max(st.amax);
+        if st.amin_nonzero > 0.0 {
+            agg.amin_nonzero = agg.amin_nonzero.min(st.amin_nonzero);
+        }
+        agg.sum_mean_abs += st.mean_abs;
+        agg.sum_zero += st.zero_frac;
+        agg.sum_under16 += st.underflow_f16;
+        agg.sum_underbf += st.underflow_bf16;
+        agg.sum_over16 += st.overflow_f16;
+        agg.worst_over16 = agg.worst_over16.max(st.overflow_f16);
+        agg.nonfinite += st.nonfinite;
+        agg.range = agg.range.max(st.range_binades);
+        agg.root_nonfinite += root as u64;
+        agg.scale = st.scale;
+        if grad {
+            // Raw gradients carry the scale: unscale their magnitudes.
+            let div = if kind == TensorKind::Grad { scale as f64 } else { 1.0 };
+            // Master gradients are the unscaled truth; raw ones are recorded at multiplier 1.
+            if st.nonfinite == 0 && kind == TensorKind::MasterGrad {
+                agg.amax_unscaled = agg.amax_unscaled.max(st.amax / div);
+            }
+            if kind == TensorKind::MasterGrad
+                && st.nonfinite == 0
+                && let Some(h) = hist
+            {
+                let acc = agg.binades.get_or_insert_with(|| vec![0; BINADES]);
+                for (a, b) in acc.iter_mut().zip(h) {
+                    *a += b;
+                }
+                agg.binade_elements += st.elements;
+            }
+        }
+        let underflow = if self.half == DType::BF16 {
+            st.underflow_bf16
+        } else {
+            st.underflow_f16
+        };
+        agg.window.push_back(Sample {
+            underflow,
+            overflow: st.overflow_f16,
+            root_nonfinite: root,
+        });
+        while agg.window.len() > self.cfg.window {
+            agg.window.pop_front();
+        }
+        drop(g);
+    }
+
+    /// Switch events so far.
+    pub(crate) fn switches(&self) -> Vec<SwitchEvent> {
+        self.lock().fallback.events.iter().cloned().collect()
+    }
+}
+
+impl Observer for Recorder {
+    fn recording(&self) -> bool {
+        self.recording.load(Ordering::Relaxed)
+    }
+
+    fn record(&self, name: &str, kind: TensorKind, t: &Tensor, scale: f32) {
+        if !t.dtype().is_float() {
+            return;
+        }
+        self.fold(name.to_string(), kind, t, scale);
+    }
+
+    fn record_op(&self, op: &str, t: &Tensor) {
+        if !t.dtype().is_float() {
+            return;
+        }
+        let name = {
+            let mut g = self.lock();
+            let c = g.op_calls.entry(op.to_string()).or_insert(0);
+            let name = format!("{op}#{c}");
+            *c += 1;
+            name
+        };
+        self.fold(name, TensorKind::Activation, t, 1.0);
+    }
+
+    fn end_backward(&self, info: &BackwardInfo<'_>) {
+        let was_recording = self.recording();
+        let mut g = self.lock();
+        let state = &mut *g;
+        if was_recording {
+            state.observed += 1;
+            if info.found_inf && !state.forward_bad {
+                for p in info.nonfinite.iter().filter(|p| p.as_str() != "<loss>") {
+                    *state.overflowed_params.entry(p.clone()).or_insert(0) += 1;
+                }
+            }
+            state.op_calls.clear();
+        }
+        state.skipped_steps += info.found_inf as u64;
+        // The loss scale over the steps, thinned (every other point dropped, the stride
+        // doubled) whenever it reaches the configured length.
+        if state.step.is_multiple_of(state.scale_stride) || info.found_inf {
+            state.scales.push((state.step, info.scale, info.found_inf));
+            if state.scales.len() >= self.cfg.history.max(2) {
+                let mut kept: Vec<_> = state
+                    .scales
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, p)| i % 2 == 0 || p.2)
+                    .map(|(_, p)| *p)
+                    .collect();
+                // Mostly skips: keep the newer half.
+                if kept.len() > self.cfg.history / 2 {
+                    kept.drain(..kept.len() - self.cfg.history / 2);
+                }
+                state.scales = kept;
+                state.scale_stride *= 2;
+            }
+        }
+        if was_recording && self.cfg.auto_fallback && self.autocasts {
+            let switches = (self.decide)(&self.cfg, state);
+            if !switches.is_empty()
+                && let Some(run) = self.run.upgrade()
+            {
+                for (layer, to_f32) in switches {
+                    run.casts.set_f32_layer(&layer, to_f32.then_some("auto"));
+                }
+            }
+        }
+        state.forward_bad = false;
+        state.grad_bad = false;
+        state.step += 1;
+        let next = state.step.is_multiple_of(self.cfg.every);
+        drop(g);
+        self.recording.store(next, Ordering::Relaxed);
+    }
+}
