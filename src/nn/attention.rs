@@ -34,15 +34,15 @@ pub fn scaled_dot_product_attention(
             .contiguous()?,
     )?;
     if mask.is_none() && autocast::eligible(scores.dtype()) {
-        // One op: scale, causal mask and softmax in f32, written in the type the product with
-        // `v` runs in (the autocast half type under autocast, where the product would cast
-        // f32 probabilities to it anyway; else `v`'s), keeping only its input and output for
-        // the backward.
-        let out = match autocast::current() {
-            Some(p) if autocast::is_enabled() => p.half(),
-            _ => v.dtype(),
-        };
-        let probs = crate::kernels::scaled_softmax(&scores, scale, causal, out)?;
+        // One op: scale, causal mask and softmax in f32, keeping only its input and output
+        // for the backward. Under autocast the probabilities stay f32, as softmax's policy
+        // says (the product casts them); otherwise they are written in `v`'s type, which the
+        // product runs in. Recorded for the numerics doctor as the `softmax` op it replaces.
+        let out = if autocast::is_enabled() { DType::F32 } else { v.dtype() };
+        let probs = crate::precision::observe::op(
+            "softmax",
+            crate::kernels::scaled_softmax(&scores, scale, causal, out),
+        )?;
         return ops::matmul(&probs, v);
     }
     // f32 for the mask and softmax (f64 stays f64).
