@@ -39,10 +39,8 @@ pub fn scaled_dot_product_attention(
         // says (the product casts them); otherwise they are written in `v`'s type, which the
         // product runs in. Recorded for the numerics doctor as the `softmax` op it replaces.
         let out = if autocast::is_enabled() { DType::F32 } else { v.dtype() };
-        let probs = crate::precision::observe::op(
-            "softmax",
-            crate::kernels::scaled_softmax(&scores, scale, causal, out),
-        )?;
+        let probs =
+            crate::precision::observe::op("softmax", crate::kernels::scaled_softmax(&scores, scale, causal, out))?;
         return ops::matmul(&probs, v);
     }
     // f32 for the mask and softmax (f64 stays f64).
