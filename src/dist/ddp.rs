@@ -453,7 +453,7 @@ impl DataParallel {
             avgs.push(avg);
             at += len;
         }
-        let read = read_values(run, &flags)?;
+        let read = crate::train::optim::read_device_values(run, &flags)?;
         let (meta, avg_bad) = read.split_at(m);
         if meta[m - 1] != params.len() as f32 * world {
             return Err(self.err(
@@ -479,12 +479,4 @@ impl DataParallel {
         }
         Ok((out, calls, comm_s))
     }
-}
-
-/// Reads 1-d and 0-d f32 tensors in one host transfer, counted as one of `run`'s host reads.
-fn read_values(run: &crate::train::run::RunState, ts: &[Tensor]) -> Result<Vec<f32>> {
-    let flat: Vec<Tensor> = ts.iter().map(|t| t.flatten_all()).collect::<candle_core::Result<_>>()?;
-    let v = Tensor::cat(&flat, 0)?.to_vec1::<f32>()?;
-    run.count_host_sync();
-    Ok(v)
 }

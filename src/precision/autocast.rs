@@ -640,14 +640,7 @@ pub fn current() -> Option<AutocastPolicy> {
 
 /// The context of this thread's policy when autocast is enabled.
 pub(crate) fn active() -> Option<Arc<CastContext>> {
-    SCOPES.with(|s| {
-        s.borrow()
-            .iter()
-            .rev()
-            .find(|(_, p)| !p.transparent)
-            .filter(|(_, p)| p.enabled)
-            .map(|(_, p)| p.context.clone())
-    })
+    active_forced().map(|(c, _)| c)
 }
 
 /// The context of this thread's policy when autocast is enabled, and whether the scope

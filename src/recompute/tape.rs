@@ -65,18 +65,24 @@ fn owned_storage(t: &Tensor) -> candle_core::Result<CpuStorage> {
     })
 }
 
+impl Boundary {
+    /// The segment's output, which the node's forward takes exactly once.
+    fn take_out(&self) -> candle_core::Result<Tensor> {
+        self.out
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg("recompute: a checkpoint node ran its forward twice".into()))
+    }
+}
+
 impl CustomOp1 for Boundary {
     fn name(&self) -> &'static str {
         "candle-amp-checkpoint"
     }
 
     fn cpu_fwd(&self, _s: &CpuStorage, _l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let out = self
-            .out
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-            .ok_or_else(|| candle_core::Error::Msg("recompute: a checkpoint node ran its forward twice".into()))?;
+        let out = self.take_out()?;
         Ok((owned_storage(&out)?, out.shape().clone()))
     }
 
@@ -89,12 +95,7 @@ impl CustomOp1 for Boundary {
         _l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         use candle_core::backend::BackendStorage;
-        let out = self
-            .out
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-            .ok_or_else(|| candle_core::Error::Msg("recompute: a checkpoint node ran its forward twice".into()))?;
+        let out = self.take_out()?;
         // `try_clone` copies the whole buffer, so it must hold the output row-major from its
         // start (a fresh output does; a view is copied so first).
         let out = if out.is_contiguous() && out.layout().start_offset() == 0 {

@@ -16,7 +16,7 @@ mod state;
 pub use adamw::{AdamW, AdamWConfig};
 pub(crate) use amp_optimizer::Round;
 pub use amp_optimizer::{AmpOptimizer, AmpOptimizerState, ParamGroup, StepOutcome};
-pub(crate) use amp_optimizer::{device_flag, read_device_flags};
+pub(crate) use amp_optimizer::{device_flag, read_device_flags, read_device_values};
 pub use candle_adapter::CandleOptimizer;
 pub use sgd::{Sgd, SgdConfig};
 pub(crate) use state::same_values;

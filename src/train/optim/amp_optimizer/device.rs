@@ -53,16 +53,21 @@ fn add(a: Option<Tensor>, b: &Tensor) -> Result<Tensor> {
     })
 }
 
-/// Reads flags in one host transfer (one synchronisation, counted by `run`) and returns
-/// which are set.
-pub(crate) fn read_flags(run: &crate::train::run::RunState, flags: &[Tensor]) -> Result<Vec<bool>> {
-    if flags.is_empty() {
+/// Reads f32 tensors (any shape) in one host transfer, one synchronisation counted by
+/// `run`, their values concatenated in order.
+pub(crate) fn read_values(run: &crate::train::run::RunState, ts: &[Tensor]) -> Result<Vec<f32>> {
+    if ts.is_empty() {
         return Ok(Vec::new());
     }
-    let flags: Vec<Tensor> = flags.iter().map(|f| f.reshape(1)).collect::<candle_core::Result<_>>()?;
-    let v = Tensor::cat(&flags, 0)?.to_vec1::<f32>()?;
+    let flat: Vec<Tensor> = ts.iter().map(|t| t.flatten_all()).collect::<candle_core::Result<_>>()?;
+    let v = Tensor::cat(&flat, 0)?.to_vec1::<f32>()?;
     run.count_host_sync();
-    Ok(v.into_iter().map(|x| x.is_nan()).collect())
+    Ok(v)
+}
+
+/// Reads flags in one host transfer (see [`read_values`]) and returns which are set.
+pub(crate) fn read_flags(run: &crate::train::run::RunState, flags: &[Tensor]) -> Result<Vec<bool>> {
+    Ok(read_values(run, flags)?.into_iter().map(|x| x.is_nan()).collect())
 }
 
 impl AmpOptimizer {

@@ -10,7 +10,7 @@ mod device;
 mod saved;
 mod step;
 
-pub(crate) use device::{flag as device_flag, read_flags as read_device_flags};
+pub(crate) use device::{flag as device_flag, read_flags as read_device_flags, read_values as read_device_values};
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
