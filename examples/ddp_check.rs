@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Result, bail};
-use candle_amp::dist::{Communicator, MpiComm};
+use candle_amp::distributed::{Communicator, MpiComm};
 use candle_amp::{HalfType, OptLevel};
 use dist_scenarios::*;
 

@@ -501,8 +501,8 @@ impl Amp {
         self.run.set_reducer(reducer);
     }
 
-    /// Installs the once-per-step reducer (see `dist::StepReducer`; what
-    /// `dist::DataParallel::new` installs), or removes it with `None`. The optimizers run it
+    /// Installs the once-per-step reducer (see `distributed::StepReducer`; what
+    /// `distributed::DataParallel::new` installs), or removes it with `None`. The optimizers run it
     /// once per step before anything reads the gradients, and check its output for inf/NaN
     /// unless it says it checked them itself (`StepGrads::checked`).
     pub fn set_step_reducer(&self, reducer: Option<Arc<dyn crate::train::reduce::StepReducer>>) {

@@ -3,8 +3,8 @@
 //!
 //! A [`Communicator`] is one rank's handle on a group of `world_size` ranks that run the
 //! same program: every rank calls the same collectives in the same order, and a call
-//! returns when every rank has made it. The MPI backend (`dist::MpiComm`, feature `mpi`) and
-//! the NCCL backend (`dist::NcclComm`, feature `nccl`) implement it for real processes;
+//! returns when every rank has made it. The MPI backend (`distributed::MpiComm`, feature `mpi`) and
+//! the NCCL backend (`distributed::NcclComm`, feature `nccl`) implement it for real processes;
 //! [`LocalGroup`] implements it for threads of one process, so the data-parallel logic is
 //! tested without launching anything.
 //!
@@ -81,7 +81,7 @@ pub trait Communicator: Send + Sync + std::fmt::Debug {
 /// the process backends, with the same semantics (including timeouts).
 ///
 /// ```
-/// use candle_amp::dist::{Communicator, LocalGroup};
+/// use candle_amp::distributed::{Communicator, LocalGroup};
 /// let comms = LocalGroup::new(2);
 /// let sums: Vec<Vec<f32>> = std::thread::scope(|s| {
 ///     let h: Vec<_> = comms

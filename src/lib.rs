@@ -31,17 +31,17 @@
 //! [`Amp`] and its guard [`ScaleLoss`], the model wrapper [`AmpModel`], [`optim`] (our
 //! optimizers and the [`AmpOptimizer`] that drives them), the PyTorch-style [`GradScaler`],
 //! [`autocast`] scopes, [`ops`] and [`nn`] layers, [`checkpoint`]s (saved training state),
-//! data parallelism across processes ([`dist`]), gradient checkpointing and chunked
+//! data parallelism across processes ([`distributed`]), gradient checkpointing and chunked
 //! feed-forward ([`recompute`]), the numerics doctor ([`doctor`]: which tensors leave the half
 //! type's range, what to keep in f32, an automatic fallback), the error types, and the
 //! extension points: a
-//! [`GradReducer`] and `dist::StepReducer` for data parallelism, a backward driver for
+//! [`GradReducer`] and `distributed::StepReducer` for data parallelism, a backward driver for
 //! [`ScaleLoss::backward_with`], the [`optim::Optimizer`] trait.
 //!
 //! The crate is built in floors, each depending only on those below it (ARCHITECTURE.md
 //! draws it): `error`; `scaling` (the loss scale) and `kernels`; `precision` (opt levels,
 //! parameter store, autocast, ops, model wrapper); `train` (run state, optimizers, the
-//! guard's pipeline, `GradScaler`); `nn`; the [`Amp`] handle; [`checkpoint`], [`dist`],
+//! guard's pipeline, `GradScaler`); `nn`; the [`Amp`] handle; [`checkpoint`], [`distributed`],
 //! [`recompute`] and [`doctor`].
 
 #![warn(missing_docs)]
@@ -49,7 +49,10 @@
 mod amp;
 pub mod checkpoint;
 mod comm;
-pub mod dist;
+pub mod distributed;
+/// The former name of [`distributed`], kept so that code written against it still builds.
+#[doc(hidden)]
+pub use distributed as dist;
 pub mod doctor;
 mod error;
 mod files;

@@ -13,7 +13,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use candle_amp::dist::{Communicator, DataParallel};
+use candle_amp::distributed::{Communicator, DataParallel};
 use candle_amp::optim::{Sgd, SgdConfig};
 use candle_amp::{self as amp, Amp, GradScaler, OptLevel, StepOutcome};
 use candle_core::{DType, Device, Tensor, Var};
@@ -153,8 +153,8 @@ fn one_ranks_accumulated_overflow_skips_every_rank() {
 /// reducer whose output overflows.
 struct Amplify;
 
-impl amp::dist::StepReducer for Amplify {
-    fn reduce_step(&self, step: amp::dist::StepGrads<'_>) -> amp::Result<()> {
+impl amp::distributed::StepReducer for Amplify {
+    fn reduce_step(&self, step: amp::distributed::StepGrads<'_>) -> amp::Result<()> {
         for g in step.grads.values_mut() {
             *g = (&*g * 1e30)?;
         }

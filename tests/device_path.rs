@@ -317,7 +317,7 @@ fn device_path_state_round_trips() {
 
 #[test]
 fn data_parallel_on_the_device_path_equals_the_host_path() {
-    use amp::dist::DataParallel;
+    use amp::distributed::DataParallel;
     // Two ranks as threads, each with its own shard; rank 1's third step overflows.
     let run = |device_path: bool| {
         common::on_ranks(2, std::time::Duration::from_secs(60), |c| {

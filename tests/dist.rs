@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use candle_amp::checkpoint::CheckpointDir;
-use candle_amp::dist::{Communicator, DataParallel, DistributedSampler};
+use candle_amp::distributed::{Communicator, DataParallel, DistributedSampler};
 use candle_amp::nn::linear;
 use candle_amp::optim::{Sgd, SgdConfig};
 use candle_amp::{self as amp, AmpConfig, AmpError, CallOrderKind, DistErrorKind, HalfType, OptLevel};

@@ -10,7 +10,7 @@ mod common;
 
 use std::time::Duration;
 
-use candle_amp::dist::DataParallel;
+use candle_amp::distributed::DataParallel;
 use candle_amp::nn::batch_norm;
 use candle_amp::optim::{Sgd, SgdConfig};
 use candle_amp::{self as amp, AmpConfig, AmpError, CheckpointErrorKind, DistErrorKind, OptLevel};

@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use candle_amp as amp;
 use candle_amp::checkpoint::CheckpointDir;
-use candle_amp::dist::{Communicator, DataParallel, DataParallelConfig, DistributedSampler, MpiComm};
+use candle_amp::distributed::{Communicator, DataParallel, DataParallelConfig, DistributedSampler, MpiComm};
 use candle_core::{DType, Device};
 
 use cli::{adamw, check_writable, half_label, rows, weight_dtype};

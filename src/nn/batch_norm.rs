@@ -8,7 +8,7 @@
 //! buffers that never get gradients.
 //!
 //! Under data parallel with synchronised batch norm switched on
-//! (`dist::DataParallel::sync_batch_norm`), training statistics are computed over every
+//! (`distributed::DataParallel::sync_batch_norm`), training statistics are computed over every
 //! rank's batch: per-channel sums all-reduced in f32, and a backward that all-reduces the two
 //! per-channel sums the input gradient needs (PyTorch's `SyncBatchNorm`, Apex's
 //! `convert_syncbn_model`). The forward must run inside the run's scope (`AmpModel`'s forward

@@ -28,7 +28,7 @@ pub trait GradReducer: Send + Sync {
 /// the update itself). Data-parallel training averages gradients here, once per step
 /// whatever the number of micro-batches (PyTorch's `no_sync`), and combines the overflow
 /// flags so that every process skips the same steps. Installed by
-/// `dist::DataParallel::new`.
+/// `distributed::DataParallel::new`.
 pub trait StepReducer: Send + Sync {
     /// Reduces `step` in place.
     fn reduce_step(&self, step: StepGrads<'_>) -> Result<()>;

@@ -282,9 +282,9 @@ pub fn mse(model: &impl Module, x: &Tensor, y: &Tensor) -> Tensor {
 pub fn on_ranks<T: Send>(
     n: usize,
     timeout: std::time::Duration,
-    f: impl Fn(std::sync::Arc<dyn amp::dist::Communicator>) -> T + Sync,
+    f: impl Fn(std::sync::Arc<dyn amp::distributed::Communicator>) -> T + Sync,
 ) -> Vec<T> {
-    let comms = amp::dist::LocalGroup::with_timeout(n, timeout);
+    let comms = amp::distributed::LocalGroup::with_timeout(n, timeout);
     std::thread::scope(|s| {
         let hs: Vec<_> = comms
             .into_iter()

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use candle_amp::dist::{Communicator, DataParallel, DataParallelConfig};
+use candle_amp::distributed::{Communicator, DataParallel, DataParallelConfig};
 use candle_amp::nn::{BatchNorm, Linear, batch_norm, linear};
 use candle_amp::optim::{Sgd, SgdConfig};
 use candle_amp::{self as amp, AmpConfig, GradScaler, HalfType, LossScaleSpec, OptLevel};

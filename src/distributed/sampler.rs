@@ -22,7 +22,7 @@ use crate::error::{AmpError, Result};
 /// the same across ranks and runs, not the same as PyTorch's.
 ///
 /// ```
-/// use candle_amp::dist::DistributedSampler;
+/// use candle_amp::distributed::DistributedSampler;
 /// # fn main() -> candle_amp::Result<()> {
 /// // 10 samples on 4 ranks, no shuffling: padded to 12 with indices 0 and 1.
 /// let shard = |rank| DistributedSampler::new(10, 4, rank).map(|s| s.shuffle(false).indices());

@@ -68,10 +68,10 @@ struct Stats {
 ///
 /// ```
 /// use std::sync::Arc;
-/// use candle_amp::dist::{Communicator, DataParallel, LocalGroup};
+/// use candle_amp::distributed::{Communicator, DataParallel, LocalGroup};
 /// use candle_amp::{self as amp, OptLevel};
 /// # fn main() -> anyhow::Result<()> {
-/// // Two ranks as two threads (a real run has one process per rank: `dist::MpiComm`).
+/// // Two ranks as two threads (a real run has one process per rank: `distributed::MpiComm`).
 /// let comms = LocalGroup::new(2);
 /// std::thread::scope(|s| {
 ///     for comm in comms {
