@@ -46,6 +46,11 @@
 
 #![warn(missing_docs)]
 
+// README's code blocks run as doctests, so what a user copies from it compiles and runs.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
+
 mod amp;
 pub mod checkpoint;
 mod comm;

@@ -162,6 +162,37 @@ pub struct Applied {
 
 /// The numerics doctor attached to a run. Dropping it (or [`detach`](Self::detach))
 /// removes its recorder; what it applied stays.
+///
+/// Attach it to the handle, train as usual, then read the [`report`](Self::report) (which
+/// tensors leave the half type's range, what to keep in f32) or [`apply`](Self::apply) its
+/// recommendations:
+///
+/// ```
+/// use candle_amp::{self as amp, doctor::{Doctor, DoctorConfig}};
+/// use candle_core::{DType, Device, Tensor};
+///
+/// # fn main() -> anyhow::Result<()> {
+/// let (model, mut opt, amp) = amp::initialize(
+///     |vb| amp::nn::linear(4, 3, vb.pp("fc")),
+///     amp::optim::Sgd::new(amp::optim::SgdConfig::new(0.1))?,
+///     amp::OptLevel::O2,
+/// )?;
+/// let doctor = Doctor::attach(&amp, DoctorConfig { every: 1, ..DoctorConfig::default() })?;
+/// let x = Tensor::ones((8, 4), DType::F32, &Device::Cpu)?;
+/// let y = Tensor::new(&[0u32, 1, 2, 0, 1, 2, 0, 1], &Device::Cpu)?;
+/// for _ in 0..3 {
+///     let loss = amp::ops::cross_entropy(&model.forward(&x)?, &y)?;
+///     amp.scale_loss(&loss, &mut opt)?.backward()?;
+///     opt.step()?;
+///     opt.zero_grad();
+/// }
+/// let report = doctor.report();
+/// assert_eq!((report.steps, report.steps_observed), (3, 3));
+/// assert!(report.tensors.iter().any(|t| t.name == "fc"));     // the layer's output
+/// let applied = doctor.apply(&amp)?;                          // what it recommends, done
+/// assert!(applied.applied.len() + applied.needs_new_run.len() == report.recommendations.len());
+/// # Ok(()) }
+/// ```
 pub struct Doctor {
     recorder: Arc<Recorder>,
     run: Arc<RunState>,

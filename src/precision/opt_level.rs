@@ -22,7 +22,41 @@ use super::store::{LoadMode, StorePolicy};
 use crate::error::{AmpError, Result};
 use crate::scaling::{DynamicParams, LossScale, LossScaleSpec};
 
-/// One of Apex's four optimisation levels.
+/// One of Apex's four optimisation levels: a row of Apex's property table.
+///
+/// | level | cast_model_type | patch_functions | keep_batchnorm_fp32 | master_weights | loss_scale |
+/// |---|---|---|---|---|---|
+/// | O0 | f32 | no | - | no | static 1.0 |
+/// | O1 | - | yes | - | - | dynamic |
+/// | O2 | half | no | yes | yes | dynamic |
+/// | O3 | half | no | no | no | static 1.0 |
+///
+/// "half" is f16, or bf16 with [`AmpConfig::half`]; with bf16 the default loss scale is
+/// static 1.0 (bf16 has f32's range). Every property can be overridden with [`AmpConfig`];
+/// what Apex rejects (O1 with a model cast, `patch_functions` off O1, ...) is an
+/// [`AmpError::InvalidOverride`] naming the property and the level.
+///
+/// ```
+/// use candle_amp::{AmpConfig, HalfType, LossScaleSpec, OptLevel};
+/// use candle_core::DType;
+///
+/// let o2 = AmpConfig::new(OptLevel::O2).resolve()?;
+/// assert_eq!(o2.cast_model_type, Some(DType::F16));
+/// assert_eq!((o2.keep_batchnorm_fp32, o2.master_weights), (Some(true), true));
+/// assert_eq!(o2.loss_scale, LossScaleSpec::Dynamic);
+///
+/// // bf16 needs no loss scaling by default; an explicit choice wins.
+/// let bf16 = AmpConfig::new(OptLevel::O2).half(HalfType::Bf16).resolve()?;
+/// assert_eq!(bf16.loss_scale, LossScaleSpec::Static(1.0));
+///
+/// // Overrides as in Apex, checked as Apex checks them.
+/// let o2_bn_half = AmpConfig::new(OptLevel::O2).keep_batchnorm_fp32(false).resolve()?;
+/// assert_eq!(o2_bn_half.keep_batchnorm_fp32, Some(false));
+/// assert!(AmpConfig::new(OptLevel::O1).master_weights(true).resolve().is_err());
+///
+/// assert_eq!("O3".parse::<OptLevel>()?, OptLevel::O3);
+/// # Ok::<(), candle_amp::AmpError>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum OptLevel {
     /// Pure f32: the accuracy baseline.
