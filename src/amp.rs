@@ -424,6 +424,19 @@ impl Amp {
     /// [`crate::GradReducer`] (which needs the flag at once). The CPU path reads nothing
     /// from a device, so it counts 0.
     ///
+    /// Under [`crate::distributed::DataParallel`] a step adds one read (the reduced layout,
+    /// overflow flags and averages' checks, read together after the sum). Over a
+    /// communicator that sums tensors in device memory (NCCL) that is all; over one that
+    /// does not ([`Communicator::reduces_in_device_memory`](crate::distributed::Communicator::reduces_in_device_memory)
+    /// false: MPI, `LocalGroup`), each tensor sum reads its vector on the host once, and
+    /// each is counted: one per gradient bucket of the step
+    /// ([`DataParallel::collectives`](crate::distributed::DataParallel::collectives) counts
+    /// them) and, with [`sync_batch_norm`](crate::distributed::DataParallel::sync_batch_norm),
+    /// two per training forward of each batch-norm layer (its per-channel sums; a
+    /// checkpointed segment's recomputation runs them again) and one per its backward. So a
+    /// step of one forward, one backward and `AmpOptimizer::step` over MPI counts
+    /// `1 + 1 + buckets + 3 * batch-norm layers`.
+    ///
     /// ```
     /// use candle_amp as amp;
     /// # fn main() -> anyhow::Result<()> {

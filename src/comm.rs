@@ -67,6 +67,16 @@ pub trait Communicator: Send + Sync + std::fmt::Debug {
         Ok(Tensor::from_vec(v, t.elem_count(), t.device())?)
     }
 
+    /// Whether [`all_reduce_sum_tensor`](Self::all_reduce_sum_tensor) sums tensors on this
+    /// communicator's device in device memory, without reading them on the host. `false` by
+    /// default (the default `all_reduce_sum_tensor` reads every tensor on the host once);
+    /// a backend that overrides `all_reduce_sum_tensor` to reduce in device memory answers
+    /// `true` (`NcclComm`). `DataParallel` and synchronised batch norm count one host read
+    /// ([`crate::Amp::host_syncs`]) per tensor sum of a communicator that answers `false`.
+    fn reduces_in_device_memory(&self) -> bool {
+        false
+    }
+
     /// Copies rank `root`'s `buf` into every rank's `buf` (all the same length).
     fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<()>;
 

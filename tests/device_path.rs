@@ -317,8 +317,9 @@ fn device_path_state_round_trips() {
 
 #[test]
 fn data_parallel_on_the_device_path_equals_the_host_path() {
-    use amp::distributed::DataParallel;
-    // Two ranks as threads, each with its own shard; rank 1's third step overflows.
+    use amp::distributed::{DataParallel, DataParallelConfig};
+    // Two ranks as threads, each with its own shard; rank 1's third step overflows. Buckets
+    // of 64 values, so each step's reduction takes several.
     let run = |device_path: bool| {
         common::on_ranks(2, std::time::Duration::from_secs(60), |c| {
             let rank = c.rank();
@@ -326,7 +327,7 @@ fn data_parallel_on_the_device_path_equals_the_host_path() {
             let amp = amp::Amp::new(config, &Device::Cpu).unwrap();
             let model = amp.model(AmpTwoLinear::new).unwrap();
             let mut opt = amp.optimizer(AdamW::new(AdamWConfig::default()).unwrap()).unwrap();
-            let _ddp = DataParallel::new(&amp, c, Default::default()).unwrap();
+            let ddp = DataParallel::new(&amp, c, DataParallelConfig { bucket_bytes: 256 }).unwrap();
             let mut outcomes = Vec::new();
             for (s, (x, y)) in batches(12, 5).iter().enumerate().filter(|(i, _)| i % 2 == rank) {
                 let out = model.forward(x).unwrap().to_dtype(DType::F32).unwrap();
@@ -339,7 +340,9 @@ fn data_parallel_on_the_device_path_equals_the_host_path() {
                 outcomes.push((o.is_skipped(), o.loss_scale()));
                 opt.zero_grad();
             }
-            (outcomes, store_values(amp.store()), amp.host_syncs())
+            let buckets = ddp.collectives() / ddp.reductions();
+            assert_eq!(ddp.collectives(), buckets * 6);
+            (outcomes, store_values(amp.store()), amp.host_syncs(), buckets)
         })
     };
     let host = run(false);
@@ -355,8 +358,10 @@ fn data_parallel_on_the_device_path_equals_the_host_path() {
         let d = max_rel_diff(&dev[r].1, &host[r].1, 1e-3);
         assert!(d <= 1e-5, "rank {r}: {d}");
         assert_eq!(host[r].2, 0);
-        // The step's flags, then the reduced layout, flags and averages' checks.
-        assert_eq!(dev[r].2, 2 * 6, "rank {r}");
+        // The step's flags, then the reduced layout, flags and averages' checks, and each
+        // bucket, which LocalGroup (no device reduction) reads on the host.
+        assert!(dev[r].3 > 1, "{}", dev[r].3);
+        assert_eq!(dev[r].2, (2 + dev[r].3) * 6, "rank {r}");
     }
     assert_eq!(dev[0].1, dev[1].1, "the ranks hold the same weights");
 }
@@ -395,4 +400,197 @@ fn an_overflow_in_one_optimizer_skips_every_optimizer_of_the_block() {
     // The scale backs off once, when the last optimizer of the block reports.
     assert_eq!(amp.loss_scale(0).unwrap(), 32768.0);
     assert_eq!(amp.host_syncs(), 2, "one read per optimizer step");
+}
+
+/// A rank's communicator that counts what goes through it: sums of host buffers asked for
+/// directly, and tensor sums. `device` makes it answer that it reduces in device memory (a
+/// stand-in for NCCL: its tensor sums are then not counted as host reads).
+#[derive(Debug)]
+struct Watch {
+    inner: std::sync::Arc<dyn amp::distributed::Communicator>,
+    device: bool,
+    host_sums: std::sync::atomic::AtomicU64,
+    tensor_sums: std::sync::atomic::AtomicU64,
+}
+
+impl Watch {
+    fn counts(&self) -> (u64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (self.host_sums.load(Relaxed), self.tensor_sums.load(Relaxed))
+    }
+}
+
+impl amp::distributed::Communicator for Watch {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn backend(&self) -> &'static str {
+        "watch"
+    }
+    fn all_reduce_sum(&self, buf: &mut [f32]) -> amp::Result<()> {
+        self.host_sums.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.all_reduce_sum(buf)
+    }
+    fn all_reduce_sum_buckets(&self, bufs: &mut [&mut [f32]]) -> amp::Result<()> {
+        self.host_sums
+            .fetch_add(bufs.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        self.inner.all_reduce_sum_buckets(bufs)
+    }
+    fn all_reduce_sum_tensor(&self, t: &Tensor) -> amp::Result<Tensor> {
+        self.tensor_sums.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // LocalComm's default: through host memory, without calling `self.all_reduce_sum`.
+        self.inner.all_reduce_sum_tensor(t)
+    }
+    fn reduces_in_device_memory(&self) -> bool {
+        self.device
+    }
+    fn broadcast(&self, buf: &mut [f32], root: usize) -> amp::Result<()> {
+        self.inner.broadcast(buf, root)
+    }
+    fn broadcast_bytes(&self, buf: &mut Vec<u8>, root: usize) -> amp::Result<()> {
+        self.inner.broadcast_bytes(buf, root)
+    }
+    fn barrier(&self) -> amp::Result<()> {
+        self.inner.barrier()
+    }
+}
+
+/// One training step of a batch norm (3 channels, input `(rows, 3, 2)`), loss
+/// `sum(out * r)`: the output, the input's and the affine parameters' gradients, the running
+/// statistics after it, and what the step cost.
+#[derive(Debug)]
+struct BnStep {
+    out: Vec<f32>,
+    dx: Vec<f32>,
+    dparams: Vec<f32>,
+    running: Vec<f32>,
+    weights: BTreeMap<String, Vec<f32>>,
+    host_syncs: u64,
+    /// The communicator's direct host sums and tensor sums during the step.
+    sums: (u64, u64),
+    /// DataParallel's bucket collectives during the step.
+    buckets: u64,
+}
+
+/// `watch`: this rank's communicator, with synchronised batch norm switched on (None: one
+/// process, unsynchronised). Buckets of 4 values, so the step's reduction takes several.
+fn bn_step(watch: Option<std::sync::Arc<Watch>>, x: &Tensor, r: &Tensor, device_path: bool) -> BnStep {
+    use amp::distributed::{DataParallel, DataParallelConfig};
+    let config = AmpConfig::new(OptLevel::O0).verbosity(0).device_path(device_path);
+    let amp = amp::Amp::new(config, &Device::Cpu).unwrap();
+    let model = amp.model(|vb| amp::nn::batch_norm(3, 1e-5, vb.pp("bn"))).unwrap();
+    let mut opt = amp.optimizer(Sgd::new(SgdConfig::new(0.1)).unwrap()).unwrap();
+    let ddp = watch.clone().map(|w| {
+        let d = DataParallel::new(&amp, w, DataParallelConfig { bucket_bytes: 16 }).unwrap();
+        d.sync_batch_norm(&amp, true);
+        d
+    });
+    let (syncs0, sums0) = (amp.host_syncs(), watch.as_ref().map_or((0, 0), |w| w.counts()));
+    let buckets0 = ddp.as_ref().map_or(0, |d| d.collectives());
+    let xv = candle_core::Var::from_tensor(x).unwrap();
+    let out = model.forward(xv.as_tensor()).unwrap();
+    let loss = (&out * r).unwrap().sum_all().unwrap();
+    let params: Vec<Tensor> = ["bn.weight", "bn.bias"]
+        .iter()
+        .map(|n| amp.store().param(n).unwrap().working().clone())
+        .collect();
+    let mut grads = Vec::new();
+    amp.scale_loss(&loss, &mut opt)
+        .unwrap()
+        .backward_with(|scaled| {
+            let g = scaled.backward()?;
+            grads.push(common::flat(g.get(xv.as_tensor()).unwrap()));
+            for p in &params {
+                grads.push(common::flat(g.get(p).unwrap()));
+            }
+            Ok(g)
+        })
+        .unwrap();
+    assert!(!opt.step().unwrap().is_skipped());
+    let sums1 = watch.as_ref().map_or((0, 0), |w| w.counts());
+    let bn = amp.store();
+    let running = ["bn.running_mean", "bn.running_var"]
+        .iter()
+        .flat_map(|n| common::flat(&bn.param(n).unwrap().f32_value().unwrap()))
+        .collect();
+    BnStep {
+        out: common::flat(&out),
+        dx: grads[0].clone(),
+        dparams: grads[1..].concat(),
+        running,
+        weights: store_values(amp.store()),
+        host_syncs: amp.host_syncs() - syncs0,
+        sums: (sums1.0 - sums0.0, sums1.1 - sums0.1),
+        buckets: ddp.as_ref().map_or(0, |d| d.collectives()) - buckets0,
+    }
+}
+
+fn assert_near(a: &[f32], b: &[f32], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!((x - y).abs() <= 1e-5 * y.abs().max(1.0), "{what}[{i}]: {x} vs {y}");
+    }
+}
+
+#[test]
+fn synchronised_batch_norm_on_the_device_path_sums_device_tensors_and_counts_every_read() {
+    let data = batches(2, 11);
+    let x = Tensor::cat(&[&data[0].0, &data[1].0], 0).unwrap();
+    let rows = x.dim(0).unwrap();
+    let x = x.narrow(1, 0, 6).unwrap().reshape((rows, 3, 2)).unwrap();
+    let r = x.sin().unwrap().affine(2.0, 0.5).unwrap();
+    let shard = |t: &Tensor, rank: usize| t.narrow(0, rank * rows / 2, rows / 2).unwrap();
+    // One process, the whole batch, plain batch norm.
+    let whole = bn_step(None, &x, &r, true);
+    for (device_path, device) in [(true, false), (true, true), (false, false)] {
+        let what = format!("device_path={device_path} device_reduction={device}");
+        let ranks = common::on_ranks(2, std::time::Duration::from_secs(60), |c| {
+            let rank = c.rank();
+            let watch = std::sync::Arc::new(Watch {
+                inner: c,
+                device,
+                host_sums: Default::default(),
+                tensor_sums: Default::default(),
+            });
+            bn_step(Some(watch), &shard(&x, rank), &shard(&r, rank), device_path)
+        });
+        let half = whole.out.len() / 2;
+        for (rank, s) in ranks.iter().enumerate() {
+            let part = |v: &[f32]| v[rank * half..(rank + 1) * half].to_vec();
+            assert_near(&s.out, &part(&whole.out), &format!("{what} rank {rank} output"));
+            assert_near(&s.dx, &part(&whole.dx), &format!("{what} rank {rank} input gradient"));
+            assert_near(
+                &s.running,
+                &whole.running,
+                &format!("{what} rank {rank} running statistics"),
+            );
+            if device_path {
+                // Only tensor sums: BN's two in the forward and one in the backward, and
+                // DataParallel's buckets (several: 4 values each).
+                assert!(s.buckets > 1, "{what}: {}", s.buckets);
+                assert_eq!(s.sums, (0, 3 + s.buckets), "{what} rank {rank}");
+                // The step's flags, DataParallel's layout/flags read, and one per tensor sum
+                // unless the communicator reduces in device memory.
+                let counted = if device { 0 } else { 3 + s.buckets };
+                assert_eq!(s.host_syncs, 2 + counted, "{what} rank {rank}");
+            } else {
+                // The CPU path: host buffers, nothing read from a device.
+                assert_eq!(s.sums.1, 0, "{what}");
+                assert_eq!(s.host_syncs, 0, "{what}");
+            }
+        }
+        // The ranks' parameter gradients add up to the whole batch's; the ranks agree.
+        let sum: Vec<f32> = ranks[0]
+            .dparams
+            .iter()
+            .zip(&ranks[1].dparams)
+            .map(|(a, b)| a + b)
+            .collect();
+        assert_near(&sum, &whole.dparams, &format!("{what} parameter gradients"));
+        assert_eq!(ranks[0].weights, ranks[1].weights, "{what}");
+        assert_eq!(ranks[0].running, ranks[1].running, "{what}");
+    }
 }

@@ -167,8 +167,21 @@ impl DataParallel {
     /// `SyncBatchNorm.convert_sync_batchnorm`): in training mode their statistics are
     /// computed over every rank's batch, so the result equals one process running the whole
     /// batch, running statistics included. The forward must run through `AmpModel`.
+    ///
+    /// On the device path ([`Amp::device_path`]) the statistics are summed as device tensors
+    /// ([`Communicator::all_reduce_sum_tensor`]: two per-channel vectors in the forward, one
+    /// in the backward), so only per-channel vectors travel; over a communicator without a
+    /// device reduction (MPI, `LocalGroup`) each of those sums is one host read, counted in
+    /// [`Amp::host_syncs`].
     pub fn sync_batch_norm(&self, amp: &Amp, on: bool) {
-        amp.run().casts.set_sync_group(on.then(|| self.comm.clone()));
+        let group = on.then(|| crate::precision::autocast::SyncGroup {
+            comm: Arc::new(super::counted::Counted::new(
+                self.comm.clone(),
+                Arc::downgrade(amp.run()),
+            )),
+            device_path: amp.run().device_path(),
+        });
+        amp.run().casts.set_sync_group(group);
     }
 
     /// Copies rank 0's parameters and buffers to every rank again (e.g. batch-norm running
@@ -394,7 +407,9 @@ impl DataParallel {
     /// ([`Communicator::all_reduce_sum_tensor`]: in device memory over NCCL), in buckets.
     /// After the sum the averages are checked on the device, and the host reads the layout
     /// check, which parameters had gradients, the overflow flags and the averages' flags in
-    /// one transfer (one synchronisation, counted in the run's host reads).
+    /// one transfer (one synchronisation, counted in the run's host reads). A communicator
+    /// without a device reduction (`reduces_in_device_memory` false) also reads each bucket
+    /// on the host: one more counted read per bucket.
     fn reduce_on_device(
         &self,
         run: &crate::train::run::RunState,
@@ -438,6 +453,10 @@ impl DataParallel {
             at += len;
         }
         let calls = sums.len() as u64;
+        if !self.comm.reduces_in_device_memory() {
+            // The default tensor sum read each bucket on the host (MPI, `LocalGroup`).
+            run.count_host_syncs(calls);
+        }
         let flat = Tensor::cat(&sums, 0)?;
         drop(sums);
         let comm_s = t0.elapsed().as_secs_f64();

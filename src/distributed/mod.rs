@@ -15,6 +15,7 @@
 //! `examples/ddp` trains the digits MLP this way; README's "Data parallel" section shows how
 //! to launch it on one machine and on several.
 
+mod counted;
 mod ddp;
 #[cfg(feature = "mpi")]
 mod mpi;

@@ -235,6 +235,11 @@ impl Communicator for NcclComm {
         Ok(sum.to_device(t.device())?)
     }
 
+    /// Tensors on this communicator's device are summed there (`all_reduce_sum_tensor`).
+    fn reduces_in_device_memory(&self) -> bool {
+        true
+    }
+
     fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<()> {
         check_root(self, root)?;
         self.through_device(buf, "ncclBroadcast", |comm, dev| {

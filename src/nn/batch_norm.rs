@@ -11,16 +11,15 @@
 //! (`distributed::DataParallel::sync_batch_norm`), training statistics are computed over every
 //! rank's batch: per-channel sums all-reduced in f32, and a backward that all-reduces the two
 //! per-channel sums the input gradient needs (PyTorch's `SyncBatchNorm`, Apex's
-//! `convert_syncbn_model`). The forward must run inside the run's scope (`AmpModel`'s forward
+//! `convert_syncbn_model`; `super::sync_batch_norm`, on the host or, on the device path, as
+//! device tensors). The forward must run inside the run's scope (`AmpModel`'s forward
 //! enters it).
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, Var};
+use candle_core::{DType, Result, Tensor, Var};
 
-use candle_core::backend::BackendStorage;
-
-use crate::comm::Communicator;
+use crate::precision::autocast::SyncGroup;
 use candle_nn::{BatchNormConfig, Init, ModuleT, VarBuilder};
 
 /// Batch normalisation over dimension 1 of an input of rank >= 2.
@@ -168,174 +167,27 @@ impl BatchNorm {
     /// batch norm): `xt` is the f32 input as `(C, everything else)`; the result has `x`'s
     /// layout. The running statistics get the global mean and unbiased variance, so they are
     /// the same on every rank.
-    fn normalise_synced(&self, x: &Tensor, xt: &Tensor, group: Arc<dyn Communicator>) -> Result<Tensor> {
-        let stats = Arc::new(Mutex::new(None));
-        let op = SyncNorm {
-            group,
-            eps: self.eps,
-            remove_mean: self.remove_mean,
-            stats: stats.clone(),
-        };
-        let yt = if xt.track_op() {
-            xt.apply_op1(op)?
-        } else {
-            xt.apply_op1_no_bwd(&op)?
-        };
-        let st = stats
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-            .ok_or_else(|| candle_core::Error::Msg("synchronised batch norm: no statistics".into()))?;
-        let n = st.count;
-        let unbiased = if n > 1.0 { n / (n - 1.0) } else { 1.0 };
+    fn normalise_synced(&self, x: &Tensor, xt: &Tensor, group: SyncGroup) -> Result<Tensor> {
+        let synced = super::sync_batch_norm::normalise(xt, &group, self.eps, self.remove_mean, self.momentum)?;
         let m = self.momentum;
-        let dev = x.device();
+        let mut dims = x.dims().to_vec();
+        dims.swap(0, 1);
+        let y = synced.yt.reshape(dims)?.transpose(0, 1)?;
         // A segment recomputed by gradient checkpointing already updated them in its forward.
         if crate::precision::autocast::phase() == crate::precision::autocast::Phase::Recompute {
-            let mut dims = x.dims().to_vec();
-            dims.swap(0, 1);
-            return yt.reshape(dims)?.transpose(0, 1);
+            return Ok(y);
         }
-        if self.remove_mean {
+        if let Some(mean_m) = synced.mean_m {
             let rm = self.running_mean.as_tensor();
-            let mean = Tensor::from_vec(st.mean, rm.dims(), dev)?.to_dtype(rm.dtype())?;
-            self.running_mean.set(&((rm * (1.0 - m))? + (mean * m)?)?)?;
+            self.running_mean
+                .set(&((rm * (1.0 - m))? + mean_m.to_dtype(rm.dtype())?)?)?;
             crate::precision::autocast::invalidate(self.running_mean.as_tensor());
         }
         let rv = self.running_var.as_tensor();
-        let var = Tensor::from_vec(st.var, rv.dims(), dev)?.to_dtype(rv.dtype())?;
-        self.running_var.set(&((rv * (1.0 - m))? + (var * (m * unbiased))?)?)?;
+        self.running_var
+            .set(&((rv * (1.0 - m))? + synced.var_m.to_dtype(rv.dtype())?)?)?;
         crate::precision::autocast::invalidate(self.running_var.as_tensor());
-        let mut dims = x.dims().to_vec();
-        dims.swap(0, 1);
-        yt.reshape(dims)?.transpose(0, 1)
-    }
-}
-
-/// Global statistics of one synchronised forward, per channel.
-#[derive(Debug, Clone)]
-struct SyncStats {
-    mean: Vec<f32>,
-    /// Biased variance (the normalisation's).
-    var: Vec<f32>,
-    rstd: Vec<f32>,
-    /// Values per channel over every rank.
-    count: f64,
-}
-
-/// Normalises `(C, M)` f32 rows with statistics all-reduced over the group; its backward
-/// all-reduces the two per-channel sums the input gradient needs (PyTorch's SyncBatchNorm).
-struct SyncNorm {
-    group: Arc<dyn Communicator>,
-    eps: f64,
-    remove_mean: bool,
-    stats: Arc<Mutex<Option<SyncStats>>>,
-}
-
-/// Keeps the communicator's typed error (a timeout stays `Distributed { kind: Timeout }`
-/// when it comes back through candle to our API), with where it happened as context.
-fn comm_err(e: crate::AmpError) -> candle_core::Error {
-    candle_core::Error::from(e).context("synchronised batch norm")
-}
-
-impl CustomOp1 for SyncNorm {
-    fn name(&self) -> &'static str {
-        "amp-sync-batch-norm"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (a, b) = l
-            .contiguous_offsets()
-            .ok_or_else(|| candle_core::Error::Msg("synchronised batch norm: non-contiguous input".into()))?;
-        let CpuStorage::F32(v) = s else {
-            candle_core::bail!("synchronised batch norm: f32 statistics expected, got {:?}", s.dtype())
-        };
-        let (c, m) = l.shape().dims2()?;
-        let x = &v[a..b];
-        // Pass 1: the global count and mean (per-channel sums in f64 here, f32 on the wire).
-        let mut buf: Vec<f32> = (0..c)
-            .map(|i| x[i * m..(i + 1) * m].iter().map(|&v| v as f64).sum::<f64>() as f32)
-            .chain([m as f32])
-            .collect();
-        if !self.remove_mean {
-            buf[..c].fill(0.0);
-        }
-        self.group.all_reduce_sum(&mut buf).map_err(comm_err)?;
-        let count = buf[c] as f64;
-        let mean: Vec<f32> = buf[..c].iter().map(|s| (*s as f64 / count) as f32).collect();
-        // Pass 2: the global biased variance around the global mean.
-        let mut sq: Vec<f32> = (0..c)
-            .map(|i| {
-                x[i * m..(i + 1) * m]
-                    .iter()
-                    .map(|&v| {
-                        let d = v as f64 - mean[i] as f64;
-                        d * d
-                    })
-                    .sum::<f64>() as f32
-            })
-            .collect();
-        self.group.all_reduce_sum(&mut sq).map_err(comm_err)?;
-        let var: Vec<f32> = sq.iter().map(|s| (*s as f64 / count) as f32).collect();
-        let rstd: Vec<f32> = var
-            .iter()
-            .map(|v| (1.0 / (*v as f64 + self.eps).sqrt()) as f32)
-            .collect();
-        let mut out = vec![0f32; c * m];
-        for i in 0..c {
-            for (o, &xv) in out[i * m..(i + 1) * m].iter_mut().zip(&x[i * m..(i + 1) * m]) {
-                *o = (xv - mean[i]) * rstd[i];
-            }
-        }
-        *self.stats.lock().unwrap_or_else(|p| p.into_inner()) = Some(SyncStats { mean, var, rstd, count });
-        Ok((CpuStorage::F32(out), l.shape().clone()))
-    }
-
-    /// Through the host: the statistics are a few sums per channel, each all-reduced over the
-    /// group's host buffers anyway, so the input is copied to the host once, normalised there
-    /// as on the CPU, and the result copied back.
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendDevice;
-        let (out, shape) = self.cpu_fwd(&s.to_cpu_storage()?, l)?;
-        Ok((s.device().storage_from_cpu_storage(&out)?, shape))
-    }
-
-    fn bwd(&self, _arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let st = self
-            .stats
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-            .ok_or_else(|| candle_core::Error::Msg("synchronised batch norm: backward before forward".into()))?;
-        let (c, m) = res.dims2()?;
-        let xhat = res.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-        let g = grad.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-        // The two per-channel sums the input gradient needs, over every rank's batch.
-        let mut sums: Vec<f32> = (0..c)
-            .map(|i| g[i].iter().map(|&v| v as f64).sum::<f64>() as f32)
-            .chain((0..c).map(|i| {
-                g[i].iter()
-                    .zip(&xhat[i])
-                    .map(|(&a, &b)| a as f64 * b as f64)
-                    .sum::<f64>() as f32
-            }))
-            .collect();
-        self.group.all_reduce_sum(&mut sums).map_err(comm_err)?;
-        let n = st.count as f32;
-        let mut dx = Vec::with_capacity(c * m);
-        for i in 0..c {
-            let mg = if self.remove_mean { sums[i] / n } else { 0.0 };
-            let mgh = sums[c + i] / n;
-            dx.extend(
-                g[i].iter()
-                    .zip(&xhat[i])
-                    .map(|(&gv, &h)| st.rstd[i] * (gv - mg - h * mgh)),
-            );
-        }
-        Ok(Some(
-            Tensor::from_vec(dx, (c, m), res.device())?.to_dtype(grad.dtype())?,
-        ))
+        Ok(y)
     }
 }
 

@@ -34,6 +34,7 @@ mod conv;
 mod dropout;
 mod linear;
 mod norm;
+mod sync_batch_norm;
 
 pub use attention::{causal_mask, scaled_dot_product_attention};
 pub use batch_norm::{BatchNorm, batch_norm};

@@ -192,6 +192,16 @@ impl CastCache {
     }
 }
 
+/// The process group synchronised batch norm reduces its statistics over, and how.
+#[derive(Debug, Clone)]
+pub(crate) struct SyncGroup {
+    /// The group (data parallel's communicator, counting its host reads in the run).
+    pub comm: Arc<dyn Communicator>,
+    /// Whether the run takes the device path: the statistics are then summed as device
+    /// tensors (`Communicator::all_reduce_sum_tensor`), never read on the host by the layer.
+    pub device_path: bool,
+}
+
 /// Per-run autocast state: the cast cache, registrations and counters. Owned by an
 /// [`crate::Amp`] handle (or a standalone [`scope`]) and shared with the thread-local policy.
 pub(crate) struct CastContext {
@@ -204,7 +214,7 @@ pub(crate) struct CastContext {
     last_half_ops: AtomicUsize,
     warned_no_ops: AtomicBool,
     /// The process group batch norm synchronises over (data parallel), if switched on.
-    sync: RwLock<Option<Arc<dyn Communicator>>>,
+    sync: RwLock<Option<SyncGroup>>,
     /// What the layer and op hooks (`precision::observe`) have to do: `HOOK_OBSERVER` when an
     /// observer is installed, `HOOK_F32_LAYERS` when some layer is kept in f32. Zero (the
     /// usual case) costs the hooks one branch.
@@ -320,11 +330,11 @@ impl CastContext {
     }
 
     /// Makes `crate::nn::BatchNorm` compute training statistics over `group` (or locally).
-    pub(crate) fn set_sync_group(&self, group: Option<Arc<dyn Communicator>>) {
+    pub(crate) fn set_sync_group(&self, group: Option<SyncGroup>) {
         *self.sync.write().unwrap_or_else(|p| p.into_inner()) = group;
     }
 
-    fn sync_group(&self) -> Option<Arc<dyn Communicator>> {
+    fn sync_group(&self) -> Option<SyncGroup> {
         self.sync.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
@@ -688,7 +698,7 @@ pub(crate) fn enter_layer(context: Arc<CastContext>, force_f32: bool) -> Autocas
 
 /// The batch-norm process group of the innermost open run that has one (data parallel with
 /// synchronised batch norm).
-pub(crate) fn sync_group() -> Option<Arc<dyn Communicator>> {
+pub(crate) fn sync_group() -> Option<SyncGroup> {
     SCOPES.with(|s| s.borrow().iter().rev().find_map(|(_, p)| p.context.sync_group()))
 }
 

@@ -86,7 +86,12 @@ impl RunState {
 
     /// Counts one host read of device values on the step path.
     pub(crate) fn count_host_sync(&self) {
-        self.host_syncs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.count_host_syncs(1);
+    }
+
+    /// Counts `n` host reads of device values on the step path.
+    pub(crate) fn count_host_syncs(&self, n: u64) {
+        self.host_syncs.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Host reads of device values on the step path so far.
