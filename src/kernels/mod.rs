@@ -64,8 +64,33 @@ pub fn detected_isa() -> Isa {
 
 /// Caps the kernels at `isa` (never above what the CPU has), process-wide; `None` lifts the
 /// cap. Meant for checking the fallbacks against the vector paths.
+///
+/// One difference between tiers is visible in results: bf16 matrix products ([`matmul`],
+/// [`linear`] and their backwards) on [`Isa::Amx`] and [`Isa::Avx512Bf16`] flush subnormal
+/// inputs and results to zero (the instructions do), where the lower tiers and candle keep
+/// them; [`bf16_products_flush_subnormals`] says which applies now.
 pub fn force_isa(isa: Option<Isa>) {
     isa::force(isa)
+}
+
+/// Whether bf16 matrix products ([`matmul`], [`linear`] and their backwards) flush subnormals
+/// to zero on the active tier (after [`force_isa`]): true when it is [`Isa::Amx`] or
+/// [`Isa::Avx512Bf16`].
+///
+/// Their instructions (`tdpbf16ps`, `vdpbf16ps`) treat subnormal bf16 inputs (magnitude
+/// below 2^-126) as zero and flush subnormal f32 results, partial sums included, to zero,
+/// whatever the MXCSR register says. Products small enough for the direct loop (up to 4096
+/// multiply-adds) and every f32 or f16 product keep subnormals on every tier, as candle does.
+/// A tool that watches for bf16 underflow (the numerics doctor) should count values below
+/// 2^-126 as lost where this is true.
+///
+/// ```
+/// use candle_amp::kernels::{self, Isa};
+/// let flush = kernels::bf16_products_flush_subnormals();
+/// assert_eq!(flush, matches!(kernels::isa(), Isa::Amx | Isa::Avx512Bf16));
+/// ```
+pub fn bf16_products_flush_subnormals() -> bool {
+    isa::bf16_products_flush_subnormals()
 }
 
 thread_local! {
