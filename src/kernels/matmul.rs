@@ -173,6 +173,10 @@ fn bmm(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Tensor> {
 /// product (f32 accumulation; bf16 on AMX tiles or AVX-512 BF16 dot products where the CPU
 /// has them, see [`Isa`](super::Isa)); other types and devices use candle's `matmul`.
 ///
+/// On those two tiers a bf16 product (above 4096 multiply-adds) flushes subnormal inputs and
+/// results to zero, as the instructions do; the other tiers and candle keep them
+/// ([`bf16_products_flush_subnormals`](super::bf16_products_flush_subnormals)).
+///
 /// ```
 /// use candle_amp::kernels;
 /// use candle_core::{DType, Device, Tensor};
@@ -431,7 +435,12 @@ impl CustomOp3 for Linear {
 /// `x w^T + b` for `x` of any rank >= 1 (the last dim is the features), as one differentiable
 /// op (candle-nn's `Linear` is three: a transpose, a matmul and a broadcast add, each with
 /// its own gradient to accumulate). `x`, `w` and `b` share one type; f32, f16 and bf16 on
-/// the CPU run through the library's product, others through candle's ops.
+/// the CPU run through the library's product, others through candle's ops. Any layout of
+/// each argument is taken (transposed, strided, broadcast), as on the fallback.
+///
+/// bf16 products on AMX and AVX-512 BF16 flush subnormal inputs and results to zero, in the
+/// forward and in the gradients (see [`matmul`] and
+/// [`bf16_products_flush_subnormals`](super::bf16_products_flush_subnormals)).
 ///
 /// ```
 /// use candle_amp::kernels;
