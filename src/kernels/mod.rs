@@ -42,6 +42,8 @@ pub(crate) mod slices;
 mod softmax;
 pub(crate) mod unscale;
 
+use candle_core::Tensor;
+
 pub use cast::{cast, cast_into};
 pub use gelu::gelu;
 pub use isa::Isa;
@@ -91,6 +93,18 @@ pub fn force_isa(isa: Option<Isa>) {
 /// ```
 pub fn bf16_products_flush_subnormals() -> bool {
     isa::bf16_products_flush_subnormals()
+}
+
+/// `t` in row-major order, as the kernels read it (one slice of its storage): `contiguous()`,
+/// except that an empty tensor is always copied (nothing to copy), since an empty view can
+/// start past the end of its storage (`zeros((0, 2)).narrow(1, 1, 1)` starts at 1 of 0
+/// values), where slicing would panic.
+pub(crate) fn dense(t: &Tensor) -> candle_core::Result<Tensor> {
+    if t.elem_count() == 0 {
+        t.force_contiguous()
+    } else {
+        t.contiguous()
+    }
 }
 
 thread_local! {
