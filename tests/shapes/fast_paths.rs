@@ -276,9 +276,10 @@ struct Draw {
     /// Products: batch dims of each side, then m, k, n.
     batch: (Vec<usize>, Vec<usize>),
     mkn: (usize, usize, usize),
-    /// linear: lead dims of x; whether there is a bias.
+    /// linear: lead dims of x; whether there is a bias, and whether it has one value
+    /// (broadcast to the n outputs) instead of n.
     lead: Vec<usize>,
-    bias: bool,
+    bias: (bool, bool),
     /// Norms: whether the weight and bias are present, and f32 (O2 masters) or the input's
     /// type.
     affine: (bool, bool, bool),
@@ -294,7 +295,7 @@ fn draw() -> impl Strategy<Value = Draw> {
         super::batch_pair(),
         (dim(), dim(), dim()),
         prop::collection::vec(dim(), 0..3),
-        any::<bool>(),
+        (any::<bool>(), any::<bool>()),
         (any::<bool>(), any::<bool>(), any::<bool>()),
         (any::<bool>(), any::<bool>()),
         [layout(), layout(), layout()],
@@ -331,8 +332,8 @@ fn case(d: &Draw, isa: Isa, dt: DType) -> Result<(), TestCaseError> {
     agree("ops::matmul", isa, &specs, seed, |x| ops::matmul(&x[0], &x[1]))?;
     // linear: x, weight and bias, each laid out its own way.
     let mut specs = vec![(with(d.lead.clone(), &[k]), la, dt), (vec![n, k], lb, dt)];
-    if d.bias {
-        specs.push((vec![n], lc, dt));
+    if d.bias.0 {
+        specs.push((vec![if d.bias.1 { 1 } else { n }], lc, dt));
     }
     agree("kernels::linear", isa, &specs, seed, |x| {
         kernels::linear(&x[0], &x[1], x.get(2))
@@ -344,7 +345,9 @@ fn case(d: &Draw, isa: Isa, dt: DType) -> Result<(), TestCaseError> {
     let sx = with(d.lead.clone(), &[m, n]);
     let one = [(sx.clone(), la, dt)];
     agree("kernels::relu", isa, &one, seed, |x| kernels::relu(&x[0]))?;
+    agree("ops::relu", isa, &one, seed, |x| ops::relu(&x[0]))?;
     agree("kernels::gelu", isa, &one, seed, |x| kernels::gelu(&x[0]))?;
+    agree("ops::gelu", isa, &one, seed, |x| ops::gelu(&x[0]))?;
     for to in [DType::F32, DType::F16, DType::BF16] {
         agree("kernels::cast", isa, &one, seed, |x| kernels::cast(&x[0], to))?;
     }
@@ -362,8 +365,15 @@ fn case(d: &Draw, isa: Isa, dt: DType) -> Result<(), TestCaseError> {
     agree("kernels::layer_norm", isa, &specs, seed, |x| {
         kernels::layer_norm(&x[0], w.map(|i| &x[i]), b.map(|i| &x[i]), 1e-5)
     })?;
-    agree("kernels::rms_norm", isa, &specs[..1 + has_w as usize], seed, |x| {
+    agree("ops::layer_norm", isa, &specs, seed, |x| {
+        ops::layer_norm(&x[0], w.map(|i| &x[i]), b.map(|i| &x[i]), 1e-5)
+    })?;
+    let rms = &specs[..1 + has_w as usize];
+    agree("kernels::rms_norm", isa, rms, seed, |x| {
         kernels::rms_norm(&x[0], w.map(|i| &x[i]), 1e-5)
+    })?;
+    agree("ops::rms_norm", isa, rms, seed, |x| {
+        ops::rms_norm(&x[0], w.map(|i| &x[i]), 1e-5)
     })?;
     // Softmax, plain or causal (square trailing dims), into f32 or the input's type.
     let out = if d.wide_out { DType::F32 } else { dt };
