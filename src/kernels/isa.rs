@@ -15,12 +15,12 @@ pub enum Isa {
     Avx512,
     /// AVX-512 with the BF16 dot-product instruction `vdpbf16ps` (bf16 matrix products).
     /// The instruction flushes subnormal inputs and results to zero, so bf16 products on this
-    /// tier do too (see [`bf16_products_flush_subnormals`]).
+    /// tier do too (see [`bf16_products_flush_subnormals`](super::bf16_products_flush_subnormals)).
     Avx512Bf16,
     /// AMX tiles with BF16 (bf16 matrix products on 16 x 16 tiles), granted by the OS, on a
     /// CPU that also has AVX-512 BF16 (every tier has the features of the tiers below).
     /// `tdpbf16ps` flushes subnormal inputs and results to zero, as `vdpbf16ps` does (see
-    /// [`bf16_products_flush_subnormals`]).
+    /// [`bf16_products_flush_subnormals`](super::bf16_products_flush_subnormals)).
     Amx,
 }
 

@@ -55,6 +55,8 @@ pub use softmax::scaled_softmax;
 pub use unscale::unscale_check_into;
 
 /// The instruction set the kernels use now: what the CPU has, or lower after [`force_isa`].
+/// On [`Isa::Amx`] and [`Isa::Avx512Bf16`] bf16 matrix products flush subnormals to zero
+/// ([`bf16_products_flush_subnormals`]).
 pub fn isa() -> Isa {
     isa::current()
 }
