@@ -1042,3 +1042,61 @@ fn every_tier_computes_the_portable_results_bit_for_bit() {
     });
     assert!(!portable.is_empty());
 }
+
+/// bf16 products on AMX and AVX-512 BF16 flush subnormal inputs and results to zero (the
+/// instructions do), and `kernels::bf16_products_flush_subnormals` says so; the other tiers
+/// keep them, as candle does. Small products (the direct loop) keep them on every tier.
+#[test]
+fn bf16_products_flush_subnormals_exactly_on_the_bf16_tiers() {
+    // a (m x k) times b = diag(d) (k x k): c[i][j] = a[i][j] * d[j], one exact product each.
+    let product = |m: usize, k: usize| {
+        let mut a = rand_t(&[m, k], 130, DType::F32).to_vec2::<f32>().unwrap();
+        let mut d = vec![1f32; k];
+        a[0][0] = f32::MIN_POSITIVE / 16.0; // a subnormal input (bf16 holds it exactly)
+        a[1][1] = 2f32.powi(-64); // normal, times d[1]: a subnormal result, 2^-128
+        d[1] = 2f32.powi(-64);
+        let a = Tensor::new(a, &Device::Cpu).unwrap().to_dtype(DType::BF16).unwrap();
+        let mut b = vec![0f32; k * k];
+        for (j, v) in d.iter().enumerate() {
+            b[j * k + j] = *v;
+        }
+        let b = Tensor::from_vec(b, (k, k), &Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        (a, b)
+    };
+    let mut checked = 0;
+    each_isa(|isa| {
+        let flush = matches!(isa, Isa::Amx | Isa::Avx512Bf16);
+        assert_eq!(kernels::bf16_products_flush_subnormals(), flush, "{isa:?}");
+        for (m, k) in [(40, 64), (2, 2)] {
+            let (a, b) = product(m, k);
+            let want = {
+                let _p = kernels::plain();
+                (a.matmul(&b).unwrap(), a.matmul(&b).unwrap())
+            };
+            // linear: x w^T with w = b^T (= b, diagonal).
+            let got = (kernels::matmul(&a, &b).unwrap(), kernels::linear(&a, &b, None).unwrap());
+            for (what, g, w) in [("matmul", &got.0, &want.0), ("linear", &got.1, &want.1)] {
+                let (g, w) = (g.to_dtype(DType::F32).unwrap(), w.to_dtype(DType::F32).unwrap());
+                let (g, w) = (g.to_vec2::<f32>().unwrap(), w.to_vec2::<f32>().unwrap());
+                assert_eq!(w[0][0], f32::MIN_POSITIVE / 16.0, "candle keeps a subnormal input");
+                assert_eq!(w[1][1], f32::MIN_POSITIVE / 4.0, "candle keeps a subnormal result");
+                let large = m * k * k > 4096;
+                for (i, j) in [(0, 0), (1, 1)] {
+                    let want = if flush && large { 0.0 } else { w[i][j] };
+                    assert_eq!(g[i][j].to_bits(), want.to_bits(), "{isa:?} {what} {m}x{k} [{i}][{j}]");
+                }
+                // Everything else: the same exact products.
+                let (mut g, mut w) = (g, w);
+                for (i, j) in [(0, 0), (1, 1)] {
+                    (g[i][j], w[i][j]) = (0.0, 0.0);
+                }
+                assert_eq!(g, w, "{isa:?} {what} {m}x{k}");
+                checked += 1;
+            }
+        }
+    });
+    assert!(checked >= 4);
+}

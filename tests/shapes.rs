@@ -14,8 +14,14 @@
 //! layers) run on `common::device()`. The groups that compare the CPU kernels' fast paths
 //! with their fallbacks (products, linear, element-wise and activations, normalisation, the
 //! fallback product) stay on the CPU: off it both sides are the fallback.
+//!
+//! `fast_paths` (in `shapes/`) compares every kernel's fast path with its own fallback
+//! (`kernels::plain()`) on every instruction-set tier this CPU has, in f32, f16 and bf16,
+//! with every argument laid out any way, broadcast included, and empty dimensions anywhere.
 
 mod common;
+#[path = "shapes/fast_paths.rs"]
+mod fast_paths;
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 

@@ -2,7 +2,9 @@
 //!
 //! `tdpbf16ps c, a, b` multiplies a 16 x 32 bf16 tile of A by a 32 x 16 bf16 tile of B
 //! (stored as 16 rows of depth pairs, "VNNI" layout) into a 16 x 16 f32 tile of C: 8192
-//! multiply-adds in one instruction, products exact and sums in f32. The kernel keeps a
+//! multiply-adds in one instruction, products exact and sums in f32, except that subnormal
+//! inputs are read as zero and subnormal results flushed to zero (as `vdpbf16ps`; see
+//! `kernels::bf16_products_flush_subnormals`). The kernel keeps a
 //! 32 x 32 block of C in four tile registers and, per 32 values of depth, loads two A tiles
 //! and two B tiles and issues four dot products. Both operands are packed first (zero-padded
 //! to whole tiles), so any strides, any sizes and transposed views work.

@@ -11,9 +11,14 @@
 //!
 //! The micro-kernel keeps a 14 x 32 f32 tile of C in 28 of the 32 vector registers and
 //! issues 28 dot products per depth pair. Blocks of `KC` depth and `MC` rows keep the packed
-//! panels in cache (BLIS's loop order); row blocks are split over the rayon pool. Products are
-//! exact in f32 (a bf16 product fits f32's mantissa), so only the order of the f32 sums
-//! differs from an f32 product of the same values.
+//! panels in cache (BLIS's loop order); row blocks are split over the rayon pool.
+//!
+//! A bf16 product fits f32's mantissa, so normal values multiply exactly and, apart from the
+//! order of the f32 sums, the result is an f32 product of the same values, with one
+//! exception: `vdpbf16ps` ignores MXCSR and flushes subnormals to zero, both the bf16 inputs
+//! (magnitude below 2^-126) and every f32 result it writes (the running sums). The widened
+//! f32 path of the lower tiers and candle keep them; `kernels::bf16_products_flush_subnormals`
+//! tells users which tier they are on.
 
 use std::arch::x86_64::*;
 

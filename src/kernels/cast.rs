@@ -73,7 +73,7 @@ pub fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
     if !(super::enabled() && t.device().is_cpu() && fast(t.dtype()) && fast(dtype)) {
         return t.to_dtype(dtype);
     }
-    let t = t.contiguous()?;
+    let t = super::dense(t)?;
     if t.track_op() {
         t.apply_op1(Cast(dtype))
     } else {
@@ -124,7 +124,7 @@ pub fn cast_into(src: &Tensor, dst: &Tensor) -> Result<()> {
         candle_core::bail!("cast_into: {:?} into {:?}", src.shape(), dst.shape())
     }
     if dst.device().is_cpu() && src.device().is_cpu() && fast(src.dtype()) && fast(dst.dtype()) {
-        let src = src.contiguous()?;
+        let src = super::dense(src)?;
         return dst.inplace_op2(&src, &CastInto);
     }
     // Other devices: through `dst`'s Var (a Var made from a tensor that is not one would be a

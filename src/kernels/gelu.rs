@@ -138,8 +138,8 @@ impl CustomOp1 for Gelu {
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let grad = grad.contiguous()?;
-        Ok(Some(arg.contiguous()?.apply_op2_no_bwd(&grad, &GeluGrad)?))
+        let grad = super::dense(grad)?;
+        Ok(Some(super::dense(arg)?.apply_op2_no_bwd(&grad, &GeluGrad)?))
     }
 }
 
@@ -225,7 +225,7 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
     if !(super::enabled() && x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)) {
         return x.gelu_erf();
     }
-    let x = x.contiguous()?;
+    let x = super::dense(x)?;
     if x.track_op() {
         x.apply_op1(Gelu)
     } else {

@@ -7,7 +7,9 @@
 //!   f16 has no faster exact path on these CPUs: AVX-512 FP16 arithmetic accumulates in f16.
 //! * bf16: AMX tiles where the CPU has them and the OS grants them (`tdpbf16ps`, 16 x 16 x 32
 //!   multiply-adds per instruction); else AVX-512 BF16 dot products (`vdpbf16ps`) in a packed
-//!   14 x 32 micro-kernel; else widened to f32 like f16.
+//!   14 x 32 micro-kernel; else widened to f32 like f16. Both instructions flush subnormal
+//!   inputs and results to zero (the widened path keeps them), a difference between tiers
+//!   users can see (`kernels::bf16_products_flush_subnormals`).
 //! * tiny products (`m*n*k` below a few thousand): a direct loop, since packing costs more
 //!   than it saves.
 //!

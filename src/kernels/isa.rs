@@ -14,9 +14,13 @@ pub enum Isa {
     /// x86-64 AVX-512 (F, BW, VL) with F16C.
     Avx512,
     /// AVX-512 with the BF16 dot-product instruction `vdpbf16ps` (bf16 matrix products).
+    /// The instruction flushes subnormal inputs and results to zero, so bf16 products on this
+    /// tier do too (see [`bf16_products_flush_subnormals`](super::bf16_products_flush_subnormals)).
     Avx512Bf16,
     /// AMX tiles with BF16 (bf16 matrix products on 16 x 16 tiles), granted by the OS, on a
     /// CPU that also has AVX-512 BF16 (every tier has the features of the tiers below).
+    /// `tdpbf16ps` flushes subnormal inputs and results to zero, as `vdpbf16ps` does (see
+    /// [`bf16_products_flush_subnormals`](super::bf16_products_flush_subnormals)).
     Amx,
 }
 
@@ -120,6 +124,14 @@ pub fn force(isa: Option<Isa>) {
         Some(i) => Isa::ALL.iter().position(|x| *x == i).unwrap_or(0) as u8 + 1,
     };
     FORCED.store(v, Ordering::Relaxed);
+}
+
+/// Whether bf16 matrix products on the active tier ([`current`]) flush subnormals to zero:
+/// true on [`Isa::Amx`] and [`Isa::Avx512Bf16`], whose dot-product instructions treat
+/// subnormal bf16 inputs as zero and flush subnormal f32 results to zero (they ignore the
+/// MXCSR register). The tiers below widen to f32 and keep subnormals, as candle does.
+pub fn bf16_products_flush_subnormals() -> bool {
+    matches!(current(), Isa::Amx | Isa::Avx512Bf16)
 }
 
 #[cfg(target_arch = "x86_64")]

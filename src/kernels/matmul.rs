@@ -173,6 +173,10 @@ fn bmm(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Tensor> {
 /// product (f32 accumulation; bf16 on AMX tiles or AVX-512 BF16 dot products where the CPU
 /// has them, see [`Isa`](super::Isa)); other types and devices use candle's `matmul`.
 ///
+/// On those two tiers a bf16 product (above 4096 multiply-adds) flushes subnormal inputs and
+/// results to zero, as the instructions do; the other tiers and candle keep them
+/// ([`bf16_products_flush_subnormals`](super::bf16_products_flush_subnormals)).
+///
 /// ```
 /// use candle_amp::kernels;
 /// use candle_core::{DType, Device, Tensor};
@@ -262,7 +266,7 @@ fn linear_fwd<T: GemmElem>(x: &[T], xl: &Layout, w: &[T], wl: &Layout, bias: Opt
     Ok(out)
 }
 
-/// A bias as f32 values.
+/// A bias as f32 values (`linear` made it contiguous).
 fn f32_of(s: &CpuStorage, l: &Layout) -> Result<Vec<f32>> {
     let (a, b) = l
         .contiguous_offsets()
@@ -347,7 +351,7 @@ fn linear_bwd(
     let n = w.dim(0)?;
     // Rows from the shape: `reshape(((), n))` cannot infer them when n or k is 0.
     let m: usize = x.dims()[..x.rank().saturating_sub(1)].iter().product();
-    let g = g.contiguous()?;
+    let g = super::dense(g)?;
     let g2 = g.reshape((m, n))?;
     // dx = g . w (m x n . n x k); dw = g^T . x (n x m . m x k); db = column sums of g.
     let gx = if x.track_op() {
@@ -356,7 +360,7 @@ fn linear_bwd(
         None
     };
     let gw = if w.track_op() {
-        let x2 = x.contiguous()?.reshape((m, k))?;
+        let x2 = super::dense(x)?.reshape((m, k))?;
         Some(bmm(&g2, &x2, true, false)?)
     } else {
         None
@@ -431,7 +435,12 @@ impl CustomOp3 for Linear {
 /// `x w^T + b` for `x` of any rank >= 1 (the last dim is the features), as one differentiable
 /// op (candle-nn's `Linear` is three: a transpose, a matmul and a broadcast add, each with
 /// its own gradient to accumulate). `x`, `w` and `b` share one type; f32, f16 and bf16 on
-/// the CPU run through the library's product, others through candle's ops.
+/// the CPU run through the library's product, others through candle's ops. Any layout of
+/// each argument is taken (transposed, strided, broadcast), as on the fallback.
+///
+/// bf16 products on AMX and AVX-512 BF16 flush subnormal inputs and results to zero, in the
+/// forward and in the gradients (see [`matmul`] and
+/// [`bf16_products_flush_subnormals`](super::bf16_products_flush_subnormals)).
 ///
 /// ```
 /// use candle_amp::kernels;
@@ -461,7 +470,16 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
             None => Ok(y),
         };
     }
-    let x = x.contiguous()?;
+    let x = super::dense(x)?;
+    // The op reads the bias as n contiguous values. Another layout (a view, a broadcast) is
+    // copied first (a differentiable copy: its gradient reaches the original); another
+    // shape that broadcasts to the output is added after the product, as on the fallback.
+    let b = match b {
+        Some(b) if b.dims() != [w.dim(0)?] => return linear(&x, w, None)?.broadcast_add(b),
+        Some(b) => Some(super::dense(b)?),
+        None => None,
+    };
+    let b = b.as_ref();
     let grad = x.track_op() || w.track_op() || b.is_some_and(|b| b.track_op());
     match (b, grad) {
         (Some(b), true) => x.apply_op3(w, b, Linear),

@@ -42,6 +42,8 @@ pub(crate) mod slices;
 mod softmax;
 pub(crate) mod unscale;
 
+use candle_core::Tensor;
+
 pub use cast::{cast, cast_into};
 pub use gelu::gelu;
 pub use isa::Isa;
@@ -53,6 +55,8 @@ pub use softmax::scaled_softmax;
 pub use unscale::unscale_check_into;
 
 /// The instruction set the kernels use now: what the CPU has, or lower after [`force_isa`].
+/// On [`Isa::Amx`] and [`Isa::Avx512Bf16`] bf16 matrix products flush subnormals to zero
+/// ([`bf16_products_flush_subnormals`]).
 pub fn isa() -> Isa {
     isa::current()
 }
@@ -64,8 +68,45 @@ pub fn detected_isa() -> Isa {
 
 /// Caps the kernels at `isa` (never above what the CPU has), process-wide; `None` lifts the
 /// cap. Meant for checking the fallbacks against the vector paths.
+///
+/// One difference between tiers is visible in results: bf16 matrix products ([`matmul`],
+/// [`linear`] and their backwards) on [`Isa::Amx`] and [`Isa::Avx512Bf16`] flush subnormal
+/// inputs and results to zero (the instructions do), where the lower tiers and candle keep
+/// them; [`bf16_products_flush_subnormals`] says which applies now.
 pub fn force_isa(isa: Option<Isa>) {
     isa::force(isa)
+}
+
+/// Whether bf16 matrix products ([`matmul`], [`linear`] and their backwards) flush subnormals
+/// to zero on the active tier (after [`force_isa`]): true when it is [`Isa::Amx`] or
+/// [`Isa::Avx512Bf16`].
+///
+/// Their instructions (`tdpbf16ps`, `vdpbf16ps`) treat subnormal bf16 inputs (magnitude
+/// below 2^-126) as zero and flush subnormal f32 results, partial sums included, to zero,
+/// whatever the MXCSR register says. Products small enough for the direct loop (up to 4096
+/// multiply-adds) and every f32 or f16 product keep subnormals on every tier, as candle does.
+/// A tool that watches for bf16 underflow (the numerics doctor) should count values below
+/// 2^-126 as lost where this is true.
+///
+/// ```
+/// use candle_amp::kernels::{self, Isa};
+/// let flush = kernels::bf16_products_flush_subnormals();
+/// assert_eq!(flush, matches!(kernels::isa(), Isa::Amx | Isa::Avx512Bf16));
+/// ```
+pub fn bf16_products_flush_subnormals() -> bool {
+    isa::bf16_products_flush_subnormals()
+}
+
+/// `t` in row-major order, as the kernels read it (one slice of its storage): `contiguous()`,
+/// except that an empty tensor is always copied (nothing to copy), since an empty view can
+/// start past the end of its storage (`zeros((0, 2)).narrow(1, 1, 1)` starts at 1 of 0
+/// values), where slicing would panic.
+pub(crate) fn dense(t: &Tensor) -> candle_core::Result<Tensor> {
+    if t.elem_count() == 0 {
+        t.force_contiguous()
+    } else {
+        t.contiguous()
+    }
 }
 
 thread_local! {

@@ -79,6 +79,10 @@ impl Norm {
 
     fn forward<T: Elem + Vx>(&self, x: &[T], n: usize, w: Option<&[f32]>, b: Option<&[f32]>) -> Vec<T> {
         let mut out = vec![T::from_f32(0.0); x.len()];
+        // No rows or empty ones: nothing to normalise (and rows of 0 cannot be chunked).
+        if x.is_empty() {
+            return out;
+        }
         // A missing weight multiplies by 1 and a missing bias adds 0, as slices: the row loop
         // then has no per-value branch (and the same arithmetic as with them).
         let (ones, zeros);
@@ -122,6 +126,9 @@ impl Norm {
 
     fn grad_x<T: Elem + Vx>(&self, x: &[T], dy: &[T], n: usize, w: Option<&[f32]>) -> Vec<T> {
         let mut out = vec![T::from_f32(0.0); x.len()];
+        if x.is_empty() {
+            return out;
+        }
         let task = Self::rows_per_task(n) * n;
         let ones;
         let w = match w {
@@ -153,6 +160,9 @@ impl Norm {
 
     /// `[Σ dy * x̂, Σ dy]` over the rows, as `2 * n` f32 values.
     fn grad_wb<T: Elem + Vx>(&self, x: &[T], dy: &[T], n: usize) -> Vec<f32> {
+        if x.is_empty() {
+            return vec![0f32; 2 * n];
+        }
         let task = Self::rows_per_task(n) * n;
         let run = |x, dy| dispatch(GradWbRows { norm: *self, x, dy, n });
         let add = |mut a: Vec<f32>, b: Vec<f32>| {
@@ -306,13 +316,14 @@ macro_rules! on_float {
     };
 }
 
+/// The length of the rows. An empty last dimension is taken (the row loops are skipped: the
+/// result and the gradients are empty, as the fallback's).
 fn last_dim(l: &Layout) -> Result<usize> {
     l.shape()
         .dims()
         .last()
         .copied()
-        .filter(|n| *n > 0)
-        .ok_or_else(|| candle_core::Error::Msg("amp-norm: the input needs a non-empty last dimension".into()))
+        .ok_or_else(|| candle_core::Error::Msg("amp-norm: the input needs at least one dimension".into()))
 }
 
 /// The forward op, over `x` and the parameters present (`w`, `b` in that order).
@@ -346,7 +357,7 @@ impl Fwd {
 
     /// The gradients of `x` and of the parameters present.
     fn grads(&self, x: &Tensor, w: Option<&Tensor>, b: Option<&Tensor>, dy: &Tensor) -> Result<Grads> {
-        let dy = dy.contiguous()?;
+        let dy = super::dense(dy)?;
         let want_params = w.is_some_and(|w| w.track_op()) || b.is_some_and(|b| b.track_op());
         let dx = if x.track_op() {
             Some(match w {
@@ -546,11 +557,8 @@ fn norm(x: &Tensor, w: Option<&Tensor>, b: Option<&Tensor>, eps: f64, center: bo
             )
         }
     }
-    let x = x.contiguous()?;
-    let (w, b) = (
-        w.map(|t| t.contiguous()).transpose()?,
-        b.map(|t| t.contiguous()).transpose()?,
-    );
+    let x = super::dense(x)?;
+    let (w, b) = (w.map(super::dense).transpose()?, b.map(super::dense).transpose()?);
     let op = Fwd {
         norm: Norm {
             eps: eps as f32,
@@ -576,7 +584,9 @@ fn norm(x: &Tensor, w: Option<&Tensor>, b: Option<&Tensor>, eps: f64, center: bo
 /// the affine transform are computed in f32 and the result is rounded once to the input's
 /// type; `w` and `b` (one value per element of the last dimension) may have any of those
 /// types, and their gradients come back in their own types. Other devices and types, and
-/// [`plain`](super::plain) threads, compute the same maths as tensor ops.
+/// [`plain`](super::plain) threads, compute the same maths as tensor ops. Any layout of each
+/// argument is taken; an empty last dimension gives the empty result (and empty gradients),
+/// as the fallback does.
 ///
 /// ```
 /// use candle_amp::kernels;

@@ -135,7 +135,7 @@ impl CustomOp1 for Relu {
     }
 
     fn bwd(&self, _arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let grad = grad.contiguous()?;
+        let grad = super::dense(grad)?;
         Ok(Some(res.apply_op2_no_bwd(&grad, &ReluGrad)?))
     }
 }
@@ -207,7 +207,7 @@ pub fn relu(x: &Tensor) -> Result<Tensor> {
         // `x <= 0` picks 0, so NaN stays NaN, as in PyTorch.
         return x.le(0f64)?.where_cond(&x.zeros_like()?, x);
     }
-    let x = x.contiguous()?;
+    let x = super::dense(x)?;
     if x.track_op() {
         x.apply_op1(Relu)
     } else {

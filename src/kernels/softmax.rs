@@ -174,7 +174,7 @@ pub fn scaled_softmax(x: &Tensor, scale: f64, causal: bool, out: DType) -> Resul
         candle_core::bail!("scaled_softmax: needs at least one dimension");
     }
     if super::enabled() && x.device().is_cpu() && half_or_f32(x.dtype()) && half_or_f32(out) {
-        let x = x.contiguous()?;
+        let x = super::dense(x)?;
         return x.apply_op1(ScaledSoftmax {
             scale: scale as f32,
             causal,

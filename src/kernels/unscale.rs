@@ -41,7 +41,7 @@ fn unscale_storage(raw: &CpuStorage, a: usize, b: usize, out: &mut [f32], u: Uns
 pub(crate) fn unscale_check(raw: &Tensor, scale: f32, check: bool) -> Result<(Tensor, bool)> {
     // Detached first: a gradient can come back attached to the forward graph, and anything
     // kept from it across steps would keep every step's graph alive.
-    let raw = raw.detach().contiguous()?;
+    let raw = super::dense(&raw.detach())?;
     let u = Unscale::new(scale);
     let cpu = if !super::enabled() {
         None
@@ -137,7 +137,7 @@ pub fn unscale_check_into(raw: &Tensor, scale: f32, acc: &Tensor, accumulate: bo
     }
     let u = Unscale::new(scale);
     if raw.device().is_cpu() && acc.device().is_cpu() {
-        let raw = raw.contiguous()?;
+        let raw = super::dense(raw)?;
         let op = UnscaleInto {
             u,
             accumulate,

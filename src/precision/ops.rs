@@ -114,7 +114,9 @@ fn promote2(op: &str, a: &Tensor, b: &Tensor, f: impl FnOnce(&Tensor, &Tensor) -
 // ---------------------------------------------------------------- half list
 
 /// Matrix product (batched and broadcast like `Tensor::broadcast_matmul`), in half, through
-/// [`kernels::matmul`] (f32 accumulation; batch entries in parallel).
+/// [`kernels::matmul`] (f32 accumulation; batch entries in parallel). In bf16 on the AMX and
+/// AVX-512 BF16 tiers, subnormals are flushed to zero
+/// ([`kernels::bf16_products_flush_subnormals`]).
 pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let (xs, _) = prepare("matmul", &[a, b])?;
     rec("matmul", kernels::matmul(&xs[0], &xs[1]))
@@ -128,7 +130,8 @@ pub fn bmm(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 /// `x w^T + b` for `x` of any rank (as candle-nn's `Linear`), in half, as one fused op
 /// ([`kernels::linear`]: one product each for the output and the two gradients, the bias
-/// added and its gradient summed in f32).
+/// added and its gradient summed in f32). In bf16 on the AMX and AVX-512 BF16 tiers,
+/// subnormals are flushed to zero ([`kernels::bf16_products_flush_subnormals`]).
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let mut args = vec![x, w];
     if let Some(b) = b {
