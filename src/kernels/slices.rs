@@ -133,6 +133,29 @@ fn unscale_serial<S: Elem + Vx>(raw: &[S], out: &mut [f32], u: Unscale, acc: boo
     bad
 }
 
+/// Whether [`unscale`] with `accumulate` would find an inf or NaN (in a raw value or in
+/// `acc[i] + unscale(raw[i])`), without writing: the same arithmetic in the same order (the
+/// product, then the sum), so the verdict is the one the write will give. For a backward
+/// that must know its verdict before it may write.
+pub(crate) fn unscale_sum_nonfinite<S: Elem>(raw: &[S], acc: &[f32], u: Unscale) -> bool {
+    assert_eq!(raw.len(), acc.len(), "unscale_sum_nonfinite: lengths differ");
+    let serial = |r: &[S], a: &[f32]| {
+        r.iter().zip(a).fold(false, |bad, (r, a)| {
+            let g = r.to_f32();
+            let v = *a + u.apply(g);
+            bad | !g.is_finite() | !v.is_finite()
+        })
+    };
+    if parallel(raw.len()) {
+        raw.par_chunks(PAR_CHUNK)
+            .zip(acc.par_chunks(PAR_CHUNK))
+            .map(|(r, a)| serial(r, a))
+            .reduce(|| false, |a, b| a | b)
+    } else {
+        serial(raw, acc)
+    }
+}
+
 // ------------------------------------------------------------------------------- adamw
 
 /// One AdamW step's constants for one parameter.

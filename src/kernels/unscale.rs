@@ -58,8 +58,10 @@ pub(crate) fn unscale_check(raw: &Tensor, scale: f32, check: bool) -> Result<(Te
     if let Some((out, bad)) = cpu {
         return Ok((Tensor::from_vec(out, raw.shape(), raw.device())?, check && bad));
     }
-    // Other devices (and the plain path): the same arithmetic with tensor ops.
-    let v = unscale_tensor(&raw, scale)?;
+    // Other devices (and the plain path): the same arithmetic with tensor ops. At a scale of
+    // 1 that is `raw` itself, which the caller does not own (it is kept as a master gradient
+    // and written in place later): copied.
+    let v = super::apart_from(&unscale_tensor(&raw, scale)?, &[&raw])?;
     let bad = check && (nonfinite(&raw)? || nonfinite(&v)?);
     Ok((v, bad))
 }
@@ -162,6 +164,37 @@ pub fn unscale_check_into(raw: &Tensor, scale: f32, acc: &Tensor, accumulate: bo
     };
     candle_core::Var::from_tensor(acc)?.set(&v)?;
     Ok(bad || nonfinite(&v)?)
+}
+
+/// Whether `acc + unscale(raw)` (what [`unscale_check_into`] with `accumulate` writes) or
+/// `raw` holds an inf or NaN, read without writing anything: the verdict that call will
+/// give, for a backward that must agree on it with other processes before it writes.
+pub(crate) fn sum_nonfinite(raw: &Tensor, scale: f32, acc: &Tensor) -> Result<bool> {
+    let u = Unscale::new(scale);
+    let raw = raw.contiguous()?;
+    if raw.device().is_cpu() && acc.device().is_cpu() && acc.dtype() == DType::F32 {
+        let (rs, rl) = raw.storage_and_layout();
+        let (as_, al) = acc.storage_and_layout();
+        if let (Storage::Cpu(r), Storage::Cpu(CpuStorage::F32(a)), Some((ra, rb)), Some((aa, ab))) =
+            (&*rs, &*as_, rl.contiguous_offsets(), al.contiguous_offsets())
+            && rb - ra == ab - aa
+        {
+            use super::slices::unscale_sum_nonfinite as check;
+            let a = &a[aa..ab];
+            let bad = match r {
+                CpuStorage::F32(v) => Some(check(&v[ra..rb], a, u)),
+                CpuStorage::F16(v) => Some(check(&v[ra..rb], a, u)),
+                CpuStorage::BF16(v) => Some(check(&v[ra..rb], a, u)),
+                _ => None,
+            };
+            if let Some(bad) = bad {
+                return Ok(bad);
+            }
+        }
+    }
+    // Other types and devices: the same arithmetic with tensor ops, into a temporary.
+    let (g, bad) = unscale_check(&raw, scale, true)?;
+    Ok(bad || nonfinite(&(acc + g.reshape(acc.shape())?)?)?)
 }
 
 /// `prev + g` for two f32 gradients of one shape, into a new detached tensor, and whether a
