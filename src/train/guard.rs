@@ -68,7 +68,7 @@ pub struct BackwardReport {
 /// [`AmpError::CallOrder`]; dropping it without a backward
 /// leaves everything as it was.
 ///
-/// It dereferences to the scaled loss (f32), for users who drive backward themselves.
+/// [`loss`](Self::loss) is the scaled loss (f32), for users who drive backward themselves.
 ///
 /// ```
 /// use candle_amp as amp;
@@ -82,7 +82,7 @@ pub struct BackwardReport {
 /// let loss = amp::ops::mse(&model.forward(&x)?, &x.narrow(1, 0, 1)?)?;
 /// let guard = amp.scale_loss(&loss, &mut opt)?;
 /// assert_eq!(guard.loss_scale(), 65536.0);                // O2's initial dynamic scale
-/// assert_eq!(guard.dtype(), candle_core::DType::F32);     // the scaled loss is f32
+/// assert_eq!(guard.loss().dtype(), candle_core::DType::F32); // the scaled loss is f32
 /// let report = guard.backward()?;
 /// assert!(!report.found_inf);
 /// assert_eq!(opt.master_grads().len(), 2);                // unscaled f32 gradients
@@ -107,13 +107,6 @@ impl std::fmt::Debug for ScaleLoss<'_> {
             .field("loss_id", &self.loss_id)
             .field("scale", &self.scale)
             .finish()
-    }
-}
-
-impl std::ops::Deref for ScaleLoss<'_> {
-    type Target = Tensor;
-    fn deref(&self) -> &Tensor {
-        &self.scaled
     }
 }
 
@@ -164,6 +157,13 @@ impl<'a> ScaleLoss<'a> {
         self.scale
     }
 
+    /// The scaled loss: the loss in f32 times [`loss_scale`](Self::loss_scale), for a user
+    /// who drives the backward through [`backward_with`](Self::backward_with) or
+    /// [`backward_from_grads`](Self::backward_from_grads) (gradients of this tensor).
+    pub fn loss(&self) -> &Tensor {
+        &self.scaled
+    }
+
     /// Runs the whole pipeline: backward on the scaled loss, reduce, unscale and check,
     /// accumulate.
     pub fn backward(self) -> Result<BackwardReport> {
@@ -182,7 +182,7 @@ impl<'a> ScaleLoss<'a> {
     }
 
     /// Runs stages 2 to 4 on raw gradients obtained elsewhere (they must be gradients of the
-    /// scaled loss, which the guard dereferences to, keyed by the working Vars).
+    /// scaled loss, [`loss`](Self::loss), keyed by the working Vars).
     pub fn backward_from_grads(self, grads: GradStore) -> Result<BackwardReport> {
         let ScaleLoss {
             run,
