@@ -132,7 +132,10 @@ pub struct ParamUpdate<'a> {
     /// The half working copy the model computes with, when it is a separate Var (O2's
     /// masters, O3): a step writes the new value into it too, in the same commit.
     pub working: Option<&'a Var>,
-    /// Its unscaled f32 gradient.
+    /// Its unscaled f32 gradient: the optimizer's master-gradient buffer, which later
+    /// backward passes write in place. An algorithm that keeps it (or a value that may be it,
+    /// such as `grad.clone()` or a same-type `to_dtype`) past the step must keep a copy
+    /// (`Tensor::copy`), or its state changes with the next backward.
     pub grad: &'a Tensor,
     /// Its group's hyper-parameters.
     pub hyper: GroupHyper,
@@ -163,8 +166,9 @@ pub trait Optimizer: Send {
     /// On an error the caller ([`AmpOptimizer`]) restores the algorithm's state from a
     /// [`state_dict`](Optimizer::state_dict) taken before the step, so a retried step applies
     /// once. The default computes every new value (and its cast to the working type) with
-    /// [`update`](Optimizer::update) first, checks shapes and types, then writes them all;
-    /// an override must keep the same contract.
+    /// [`update`](Optimizer::update) first, checks shapes, types and devices, copies a value
+    /// that shares the parameter's storage (which `Var::set` would refuse), then writes them
+    /// all; an override must keep the same contract.
     fn step(&mut self, params: &[ParamUpdate<'_>]) -> Result<()> {
         default_step(self, params)
     }

@@ -81,7 +81,9 @@ impl AmpOptimizer {
                 }
                 let g = match self.grads.get(name) {
                     Some(live) => (live + g.reshape(live.shape())?)?.detach(),
-                    None => g,
+                    // At a scale of 1 an f32 gradient unscales to itself: a master gradient
+                    // is storage of its own, never the caller's gradient.
+                    None => crate::kernels::apart_from(&g, &[raw])?,
                 };
                 out.grads.push((name.clone(), g));
             }
