@@ -3,7 +3,7 @@
 //! writes master gradients, optimizer state and parameters in place, so two buffers over one
 //! storage would change together (SGD's first momentum was once the master gradient itself,
 //! which the next backward overwrote). Checked after every stage of a few accumulated,
-//! clipped steps, together with what it protects: a `state_dict` taken earlier does not
+//! clipped steps and a `GradScaler` step, together with what it protects: a `state_dict` taken earlier does not
 //! change afterwards, and SGD's momentum follows PyTorch's `buf = g_1`, then
 //! `buf = mu*buf + g_t`.
 //!
@@ -13,7 +13,7 @@
 mod common;
 
 use candle_amp::optim::{AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
-use candle_amp::{self as amp, AmpConfig, HalfType, OptLevel, ops};
+use candle_amp::{self as amp, AmpConfig, GradScaler, HalfType, OptLevel, ops};
 use candle_core::{Device, Tensor};
 use common::{AmpTwoLinear, assert_no_shared_storage, batches, flat};
 
@@ -101,6 +101,28 @@ fn check(a: Algo, level: OptLevel, half: HalfType, path: Path) {
                 "{what}: the state_dict of step {k} changed by step {step}"
             );
         }
+    }
+    // The PyTorch-style API over the same stages: a micro-batch, then the step.
+    let mut scaler = GradScaler::new();
+    let grads = |scaler: &GradScaler, i: usize| {
+        let (x, y) = &data[i];
+        let loss = ops::mse(&model.forward(x).unwrap(), y).unwrap();
+        scaler.scale(&loss).unwrap().backward().unwrap()
+    };
+    let (g0, g1) = (grads(&scaler, 0), grads(&scaler, 1));
+    scaler.accumulate(&mut opt, &g0).unwrap();
+    assert_no_shared_storage(&amp, &[&opt], &format!("{what}: GradScaler, accumulated"));
+    scaler.step(&mut opt, &g1).unwrap();
+    assert_no_shared_storage(&amp, &[&opt], &format!("{what}: GradScaler, stepped"));
+    scaler.update(None).unwrap();
+    opt.zero_grad();
+    assert_no_shared_storage(&amp, &[&opt], &format!("{what}: GradScaler, zeroed"));
+    for (k, (s, copy)) in earlier.iter().enumerate() {
+        assert_eq!(
+            &frozen(s),
+            copy,
+            "{what}: the state_dict of step {k} changed by GradScaler's step"
+        );
     }
 }
 

@@ -64,9 +64,11 @@ pub struct GradScalerState {
 /// step (a cached cast is never used once its weight has changed).
 ///
 /// Per optimizer and iteration: any number of `accumulate` calls, then `unscale` at most
-/// once and before `step`; `step` at most once (it unscales the given gradients first if
-/// `unscale` was not called, and skips silently, returning [`StepOutcome::Skipped`], when a
-/// gradient of any accumulated micro-batch was inf or NaN); then one `update` for all
+/// once and before `step` (on a disabled scaler a second `unscale` does nothing, as
+/// PyTorch's: each backward's gradients are added exactly once); `step` at most once (it
+/// unscales the given gradients first if `unscale` was not called, and skips silently,
+/// returning [`StepOutcome::Skipped`], when a gradient of any accumulated micro-batch was
+/// inf or NaN); then one `update` for all
 /// optimizers, which adjusts the scale from every recorded check and resets the stages.
 /// Breaking these rules is an [`AmpError::CallOrder`]. Optimizers are told apart by their
 /// process-unique id, so one scaler serves optimizers of several AMP handles.

@@ -252,16 +252,6 @@ pub(crate) fn run_stages(
     if loss_nonfinite {
         nonfinite.push("<loss>".to_string());
     }
-    // The numerics doctor (if attached) reads the raw, still scaled gradients here.
-    let observer = run.casts.observer();
-    let recording = observer.as_ref().filter(|o| o.recording());
-    if let Some(o) = recording {
-        for (name, v) in &all {
-            if let Some(g) = grads.get(v.as_tensor()) {
-                o.record(name, TensorKind::Grad, g, 1.0);
-            }
-        }
-    }
     // With a reducer the verdict is combined across processes before anything is written,
     // so stage 3 checks the sums it will make in place without making them yet.
     let verdict_first = reducer.is_some();
@@ -322,8 +312,16 @@ pub(crate) fn run_stages(
         Some(names) if first => vec![unused_warning(&names)],
         _ => Vec::new(),
     };
+    // The numerics doctor (if attached) reads the raw, still scaled gradients (stage 3 only
+    // read them), then the weights and master gradients: only for a backward that went in.
+    let observer = run.casts.observer();
     if let Some(o) = &observer {
         if o.recording() {
+            for (name, v) in &all {
+                if let Some(g) = grads.get(v.as_tensor()) {
+                    o.record(name, TensorKind::Grad, g, 1.0);
+                }
+            }
             for (name, v) in &all {
                 o.record(name, TensorKind::Weight, v.as_tensor(), 1.0);
             }
