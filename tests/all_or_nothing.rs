@@ -311,3 +311,39 @@ fn an_unscale_retried_after_its_reduction_failed_adds_the_gradients_once() {
         assert_eq!(scaler.get_scale(), c_scaler.get_scale());
     }
 }
+
+/// With a stage-2 reducer the verdict is combined before anything is written, so the sum a
+/// second micro-batch will make in place is checked first, without writing: two finite
+/// gradients whose sum overflows still skip the step, with every process agreeing.
+#[test]
+fn with_a_reducer_an_accumulated_overflow_is_found_before_the_write() {
+    for (g, overflow) in [(2e38f32, true), (1e38, false)] {
+        let amp = amp::Amp::new(AmpConfig::new(OptLevel::O0).verbosity(0), &Device::Cpu).unwrap();
+        let w = amp
+            .var_builder()
+            .get_with_hints((1,), "w", candle_nn::Init::Const(1.0))
+            .unwrap();
+        let mut opt = amp.optimizer(Sgd::new(SgdConfig::new(1e-38)).unwrap()).unwrap();
+        let mut ranks = LocalGroup::with_timeout(1, Duration::from_secs(5));
+        let reducer = Arc::new(Stalling {
+            comm: ranks.pop().unwrap(),
+            stall: AtomicBool::new(true),
+        });
+        amp.set_grad_reducer(Some(reducer));
+        let before = f32_bits(amp.store());
+        let loss = (w.sum_all().unwrap() * g as f64).unwrap();
+        let first = amp.scale_loss(&loss, &mut opt).unwrap().backward().unwrap();
+        assert!(!first.found_inf, "each gradient is finite");
+        let second = amp.scale_loss(&loss, &mut opt).unwrap().backward().unwrap();
+        assert_eq!(second.found_inf, overflow, "g = {g}");
+        assert_eq!(opt.step().unwrap().is_skipped(), overflow, "g = {g}");
+        let want = if overflow { f32::INFINITY } else { 2.0 * g };
+        assert!(
+            flat(&opt.master_grads()["w"]).iter().all(|v| *v == want),
+            "g = {g}: the sum was written once"
+        );
+        if overflow {
+            assert_eq!(f32_bits(amp.store()), before, "skipped");
+        }
+    }
+}
