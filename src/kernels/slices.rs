@@ -11,9 +11,9 @@ use super::simd::Elem;
 use crate::error::{AmpError, Result};
 
 /// Slices longer than this are split over the rayon pool (when it has more than one thread).
-const PAR_CHUNK: usize = 1 << 16;
+pub(crate) const PAR_CHUNK: usize = 1 << 16;
 
-fn parallel(n: usize) -> bool {
+pub(crate) fn parallel(n: usize) -> bool {
     n > 2 * PAR_CHUNK && rayon::current_num_threads() > 1
 }
 
@@ -131,29 +131,6 @@ fn unscale_serial<S: Elem + Vx>(raw: &[S], out: &mut [f32], u: Unscale, acc: boo
         *o = v;
     }
     bad
-}
-
-/// Whether [`unscale`] with `accumulate` would find an inf or NaN (in a raw value or in
-/// `acc[i] + unscale(raw[i])`), without writing: the same arithmetic in the same order (the
-/// product, then the sum), so the verdict is the one the write will give. For a backward
-/// that must know its verdict before it may write.
-pub(crate) fn unscale_sum_nonfinite<S: Elem>(raw: &[S], acc: &[f32], u: Unscale) -> bool {
-    assert_eq!(raw.len(), acc.len(), "unscale_sum_nonfinite: lengths differ");
-    let serial = |r: &[S], a: &[f32]| {
-        r.iter().zip(a).fold(false, |bad, (r, a)| {
-            let g = r.to_f32();
-            let v = *a + u.apply(g);
-            bad | !g.is_finite() | !v.is_finite()
-        })
-    };
-    if parallel(raw.len()) {
-        raw.par_chunks(PAR_CHUNK)
-            .zip(acc.par_chunks(PAR_CHUNK))
-            .map(|(r, a)| serial(r, a))
-            .reduce(|| false, |a, b| a | b)
-    } else {
-        serial(raw, acc)
-    }
 }
 
 // ------------------------------------------------------------------------------- adamw
