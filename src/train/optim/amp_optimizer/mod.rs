@@ -386,7 +386,9 @@ impl AmpOptimizer {
         &self.grads
     }
 
-    /// The f32 values of this optimizer's parameters (the masters at O2), by name.
+    /// The f32 values of this optimizer's parameters (the masters at O2), by name. Where a
+    /// parameter has an f32 Var these are the live values, which steps write in place
+    /// (PyTorch's `master_params` are the parameters themselves): `copy()` one to keep it.
     pub fn master_params(&self) -> Result<BTreeMap<String, Tensor>> {
         self.owned()
             .into_iter()
