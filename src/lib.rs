@@ -67,6 +67,8 @@ mod precision;
 pub mod recompute;
 mod scaling;
 mod serde_f32;
+#[doc(hidden)]
+pub mod testing;
 mod train;
 
 pub use amp::{Amp, AmpState, LoadReport, initialize, initialize_on};

@@ -826,6 +826,55 @@ fn a_load_never_destroys_a_damaged_version_and_no_save_reuses_its_number() {
 }
 
 #[test]
+fn a_save_succeeds_when_latest_and_every_version_are_damaged_and_deletes_none() {
+    let dir = tmpdir("all-damaged");
+    let ckpts = CheckpointDir::new(&dir, 2);
+    let (model, mut opt, amp) = setup(OptLevel::O2);
+    train_step(&model, &mut opt, &amp);
+    let v1 = ckpts.save(&amp, &[&opt], 1, serde_json::Value::Null).unwrap();
+    let v2 = ckpts.save(&amp, &[&opt], 2, serde_json::Value::Null).unwrap();
+    std::fs::write(dir.join("LATEST"), "garbage").unwrap();
+    flip_byte(&v1.join("weights.safetensors"));
+    flip_byte(&v2.join("state.json"));
+    let before = snapshot_dir(&dir);
+    // Nothing verifies: the load fails and says so.
+    let e = ckpts.load().unwrap_err();
+    assert_eq!(e.checkpoint_kind(), Some(Kind::Corrupt), "{e}");
+    // The save moves both versions aside, bytes intact, and commits a new one.
+    let v3 = ckpts.save(&amp, &[&opt], 3, serde_json::Value::Null).unwrap();
+    assert!(v3.ends_with("v00000003"), "{}", v3.display());
+    assert_eq!(std::fs::read_to_string(dir.join("LATEST")).unwrap().trim(), "v00000003");
+    let aside = vec![dir.join("v00000001.damaged"), dir.join("v00000002.damaged")];
+    assert_eq!(ckpts.quarantined().unwrap(), aside);
+    for (v, moved) in [(&v1, &aside[0]), (&v2, &aside[1])] {
+        for (p, bytes) in before.iter().filter(|(p, _)| p.starts_with(v)) {
+            let now = std::fs::read(moved.join(p.strip_prefix(v).unwrap())).unwrap();
+            assert_eq!(&now, bytes, "{} is kept as it was", p.display());
+        }
+    }
+    let back = ckpts.load().unwrap();
+    assert_eq!(back.step(), 3);
+    assert!(back.recovered_from().is_none() && back.skipped_versions().is_empty());
+    // Later saves prune among the new versions only.
+    for step in 4..7 {
+        ckpts.save(&amp, &[&opt], step, serde_json::Value::Null).unwrap();
+    }
+    assert_eq!(ckpts.quarantined().unwrap(), aside);
+    // A damaged LATEST naming nothing, with no version at all, does not stop a save either.
+    let dir2 = tmpdir("all-damaged-empty");
+    let ckpts2 = CheckpointDir::new(&dir2, 2);
+    std::fs::create_dir_all(&dir2).unwrap();
+    std::fs::write(dir2.join("LATEST"), "v00000007\n").unwrap();
+    assert!(ckpts2.load().is_err());
+    let v = ckpts2.save(&amp, &[&opt], 1, serde_json::Value::Null).unwrap();
+    let name = v.file_name().unwrap().to_string_lossy().to_string();
+    assert_eq!(std::fs::read_to_string(dir2.join("LATEST")).unwrap().trim(), name);
+    assert_eq!(ckpts2.load().unwrap().step(), 1);
+    std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::remove_dir_all(&dir2).unwrap();
+}
+
+#[test]
 fn a_load_leaves_an_uncommitted_version_for_the_next_save() {
     let dir = tmpdir("uncommitted");
     let ckpts = CheckpointDir::new(&dir, 2);

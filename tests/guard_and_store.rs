@@ -110,14 +110,14 @@ fn the_scaled_loss_is_f32_times_the_scale() {
     let loss = one_step_loss(&model, 4);
     let half_loss = loss.to_dtype(DType::F16).unwrap();
     let guard = amp.scale_loss(&half_loss, &mut opt).unwrap();
-    assert_eq!(guard.dtype(), DType::F32);
+    assert_eq!(guard.loss().dtype(), DType::F32);
     assert_eq!(guard.loss_scale(), 1.0);
     drop(guard);
     let cfg = AmpConfig::new(OptLevel::O3).loss_scale(LossScaleSpec::Static(65536.0));
     let (model, mut opt, amp) = common::initialize(TwoLinear::new, sgd(0.1), cfg).unwrap();
     let loss = one_step_loss(&model, 4).to_dtype(DType::F16).unwrap();
     let g = amp.scale_loss(&loss, &mut opt).unwrap();
-    let v = g.to_scalar::<f32>().unwrap();
+    let v = g.loss().to_scalar::<f32>().unwrap();
     let expect = loss.to_dtype(DType::F32).unwrap().to_scalar::<f32>().unwrap() * 65536.0;
     assert!(v.is_finite() && v == expect, "an f16 loss x 65536 is finite in f32");
 }

@@ -3,9 +3,9 @@
 use std::fs::{self, File};
 use std::path::{Path, PathBuf};
 
-use super::scan::{Committed, version_name};
+use super::scan::{Committed, Search, version_name};
 use super::verify::write_manifest;
-use super::{BUFFERS, Checkpoint, LATEST, LOCK, STATE, StateFile, WEIGHTS, buffer_key, record_of};
+use super::{BUFFERS, Checkpoint, DAMAGED, LATEST, LOCK, STATE, StateFile, WEIGHTS, buffer_key, record_of};
 use crate::amp::Amp;
 use crate::error::{AmpError, CheckpointErrorKind as Kind, Result};
 use crate::files::{Source, fsync_dir, write_sources, write_synced};
@@ -89,7 +89,8 @@ impl CheckpointDir {
     /// Saves the live run (weights, every optimizer's state in the order given, scalers,
     /// generators, `step` and your `extra` data) as a new version, commits it, and prunes old
     /// versions (moving aside any version a damaged `LATEST` made it pass over, see the module
-    /// documentation). Its number is above that of every version the directory holds or
+    /// documentation; when `LATEST` is damaged and no version verifies, every version is
+    /// moved aside and the save commits afresh: a save on a writable directory succeeds). Its number is above that of every version the directory holds or
     /// held in view (damaged, quarantined and leftovers included). Tensors are streamed from the run into the files one at a time, and the
     /// optimizers' own f32 buffers (moments) are written straight from where they live: no
     /// copy of the state is made. Returns the version's directory.
@@ -217,7 +218,24 @@ impl CheckpointDir {
     }
 
     fn clean_up_locked(&self) -> Result<Option<Committed>> {
-        let committed = self.committed()?;
+        let committed = match self.search()? {
+            Search::Nothing => None,
+            Search::Found(c) => Some(c),
+            Search::NoneVerifies { damage, skipped } => {
+                // Nothing a load could read: every version is moved aside (never deleted, and
+                // out of pruning's reach) and the next save commits afresh.
+                for s in &skipped {
+                    self.quarantine(s.version)?;
+                }
+                log::warn!(
+                    "{} was damaged ({damage}) and no version verifies: {} version(s) moved aside to vN{DAMAGED}; \
+                     the next save commits a new one",
+                    self.root.join(LATEST).display(),
+                    skipped.len()
+                );
+                None
+            }
+        };
         let entries = self.scan()?;
         for p in entries.tmp {
             if p.is_dir() {

@@ -35,7 +35,9 @@
 //! included). The next write (a save, or [`CheckpointDir::clean_up`]) moves each damaged
 //! version aside to `vN.damaged` ([`CheckpointDir::quarantined`]), where no pruning ever
 //! removes it, and a save always takes a number above every version it has seen (committed,
-//! damaged, quarantined or left over), so a version number is never reused.
+//! damaged, quarantined or left over), so a version number is never reused. When `LATEST`
+//! and every version are damaged, a load fails, and the next save moves every version aside
+//! and commits afresh: a save never fails for damage it finds, and never deletes a version.
 
 mod dir;
 mod scan;

@@ -41,6 +41,21 @@ pub(super) struct Entries {
     pub(super) highest: u64,
 }
 
+/// What a look for the committed version found.
+#[derive(Debug)]
+pub(super) enum Search {
+    /// No `LATEST`: nothing was ever committed.
+    Nothing,
+    /// The committed version.
+    Found(Committed),
+    /// `LATEST` is damaged (`damage` says how) and no version verifies: each, newest first,
+    /// with what is wrong with it.
+    NoneVerifies {
+        damage: String,
+        skipped: Vec<SkippedVersion>,
+    },
+}
+
 /// The version a load reads, and how it was found.
 #[derive(Debug)]
 pub(super) struct Committed {
@@ -94,12 +109,28 @@ impl CheckpointDir {
 
     /// The committed version: the one `LATEST` names, or, when `LATEST` is damaged (no
     /// version name, or a version that is not there), the newest version that verifies,
-    /// with a note saying so and the newer versions that did not verify. Reads only.
+    /// with a note saying so and the newer versions that did not verify. An error when
+    /// `LATEST` is damaged and no version verifies. Reads only.
     pub(super) fn committed(&self) -> Result<Option<Committed>> {
+        match self.search()? {
+            Search::Nothing => Ok(None),
+            Search::Found(c) => Ok(Some(c)),
+            Search::NoneVerifies { damage, .. } => Err(AmpError::checkpoint(
+                self.root.join(LATEST),
+                Kind::Corrupt,
+                format!("{damage}, and no version verifies"),
+            )),
+        }
+    }
+
+    /// What [`committed`](Self::committed) finds, the case of a damaged `LATEST` with no
+    /// version that verifies included (a save then moves every version aside and starts
+    /// afresh). Reads only.
+    pub(super) fn search(&self) -> Result<Search> {
         let damage = match self.latest_version() {
-            Ok(None) => return Ok(None),
+            Ok(None) => return Ok(Search::Nothing),
             Ok(Some(v)) if self.root.join(version_name(v)).is_dir() => {
-                return Ok(Some(Committed {
+                return Ok(Search::Found(Committed {
                     version: v,
                     note: None,
                     skipped: Vec::new(),
@@ -119,7 +150,7 @@ impl CheckpointDir {
                 Ok(_) => {
                     let note = self.recovery_note(&damage, v, &skipped);
                     log::warn!("{note}");
-                    return Ok(Some(Committed {
+                    return Ok(Search::Found(Committed {
                         version: v,
                         note: Some(note),
                         skipped,
@@ -133,11 +164,7 @@ impl CheckpointDir {
                 }),
             }
         }
-        Err(AmpError::checkpoint(
-            self.root.join(LATEST),
-            Kind::Corrupt,
-            format!("{damage}, and no version verifies"),
-        ))
+        Ok(Search::NoneVerifies { damage, skipped })
     }
 
     /// What a recovery from a damaged `LATEST` did, in words.

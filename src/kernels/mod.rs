@@ -40,6 +40,7 @@ mod relu;
 mod simd;
 pub(crate) mod slices;
 mod softmax;
+mod storage;
 pub(crate) mod unscale;
 
 use candle_core::Tensor;
@@ -52,6 +53,9 @@ pub use norm::{layer_norm, rms_norm};
 pub use relu::relu;
 pub use slices::{AdamWStep, HalfOut, adamw};
 pub use softmax::scaled_softmax;
+#[doc(hidden)]
+pub use storage::storage_key;
+pub(crate) use storage::{apart_from, same_storage};
 pub use unscale::unscale_check_into;
 
 /// The instruction set the kernels use now: what the CPU has, or lower after [`force_isa`].

@@ -11,9 +11,9 @@ use super::simd::Elem;
 use crate::error::{AmpError, Result};
 
 /// Slices longer than this are split over the rayon pool (when it has more than one thread).
-const PAR_CHUNK: usize = 1 << 16;
+pub(crate) const PAR_CHUNK: usize = 1 << 16;
 
-fn parallel(n: usize) -> bool {
+pub(crate) fn parallel(n: usize) -> bool {
     n > 2 * PAR_CHUNK && rayon::current_num_threads() > 1
 }
 

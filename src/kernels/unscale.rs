@@ -14,6 +14,8 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Storage, Tensor};
 
+use rayon::prelude::*;
+
 use super::simd::Elem;
 use super::slices::{Unscale, Vx, unscale as unscale_slice};
 use crate::error::Result;
@@ -58,8 +60,10 @@ pub(crate) fn unscale_check(raw: &Tensor, scale: f32, check: bool) -> Result<(Te
     if let Some((out, bad)) = cpu {
         return Ok((Tensor::from_vec(out, raw.shape(), raw.device())?, check && bad));
     }
-    // Other devices (and the plain path): the same arithmetic with tensor ops.
-    let v = unscale_tensor(&raw, scale)?;
+    // Other devices (and the plain path): the same arithmetic with tensor ops. At a scale of
+    // 1 that is `raw` itself, which the caller does not own (it is kept as a master gradient
+    // and written in place later): copied.
+    let v = super::apart_from(&unscale_tensor(&raw, scale)?, &[&raw])?;
     let bad = check && (nonfinite(&raw)? || nonfinite(&v)?);
     Ok((v, bad))
 }
@@ -164,6 +168,59 @@ pub fn unscale_check_into(raw: &Tensor, scale: f32, acc: &Tensor, accumulate: bo
     Ok(bad || nonfinite(&v)?)
 }
 
+/// Whether `acc + unscale(raw)` (what [`unscale_check_into`] with `accumulate` writes) or
+/// `raw` holds an inf or NaN, read without writing anything: the verdict that call will
+/// give, for a backward that must agree on it with other processes before it writes.
+pub(crate) fn sum_nonfinite(raw: &Tensor, scale: f32, acc: &Tensor) -> Result<bool> {
+    let u = Unscale::new(scale);
+    let raw = raw.contiguous()?;
+    if raw.device().is_cpu() && acc.device().is_cpu() && acc.dtype() == DType::F32 {
+        let (rs, rl) = raw.storage_and_layout();
+        let (as_, al) = acc.storage_and_layout();
+        if let (Storage::Cpu(r), Storage::Cpu(CpuStorage::F32(a)), Some((ra, rb)), Some((aa, ab))) =
+            (&*rs, &*as_, rl.contiguous_offsets(), al.contiguous_offsets())
+            && rb - ra == ab - aa
+        {
+            let a = &a[aa..ab];
+            let bad = match r {
+                CpuStorage::F32(v) => Some(unscale_sum_nonfinite(&v[ra..rb], a, u)),
+                CpuStorage::F16(v) => Some(unscale_sum_nonfinite(&v[ra..rb], a, u)),
+                CpuStorage::BF16(v) => Some(unscale_sum_nonfinite(&v[ra..rb], a, u)),
+                _ => None,
+            };
+            if let Some(bad) = bad {
+                return Ok(bad);
+            }
+        }
+    }
+    // Other types and devices: the same arithmetic with tensor ops, into a temporary.
+    let (g, bad) = unscale_check(&raw, scale, true)?;
+    Ok(bad || nonfinite(&(acc + g.reshape(acc.shape())?)?)?)
+}
+
+/// Whether the unscale pass with `accumulate` would find an inf or NaN (in a raw value or in
+/// `acc[i] + unscale(raw[i])`), without writing: the same arithmetic in the same order (the
+/// product, then the sum), so the verdict is the one the write will give. For a backward
+/// that must know its verdict before it may write.
+fn unscale_sum_nonfinite<S: Elem>(raw: &[S], acc: &[f32], u: Unscale) -> bool {
+    assert_eq!(raw.len(), acc.len(), "unscale_sum_nonfinite: lengths differ");
+    let serial = |r: &[S], a: &[f32]| {
+        r.iter().zip(a).fold(false, |bad, (r, a)| {
+            let g = r.to_f32();
+            let v = *a + u.apply(g);
+            bad | !g.is_finite() | !v.is_finite()
+        })
+    };
+    if super::slices::parallel(raw.len()) {
+        raw.par_chunks(super::slices::PAR_CHUNK)
+            .zip(acc.par_chunks(super::slices::PAR_CHUNK))
+            .map(|(r, a)| serial(r, a))
+            .reduce(|| false, |a, b| a | b)
+    } else {
+        serial(raw, acc)
+    }
+}
+
 /// `prev + g` for two f32 gradients of one shape, into a new detached tensor, and whether a
 /// sum is inf or NaN (with `check`): gradient accumulation where the sum cannot be made in
 /// place by [`unscale_check_into`] (off the CPU, or with the kernels off), and where two
@@ -179,4 +236,37 @@ pub(crate) fn add_check(prev: &Tensor, g: &Tensor, check: bool) -> Result<(Tenso
 pub(crate) fn nonfinite(t: &Tensor) -> Result<bool> {
     let t = t.to_dtype(DType::F32)?;
     Ok(t.affine(0.0, 0.0)?.sum_all()?.to_scalar::<f32>()?.is_nan())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// The read-only check agrees with the write's verdict, in one chunk and split over
+    /// the pool, for each raw type, where only one sum (the last) overflows.
+    #[test]
+    fn the_read_only_sum_check_gives_the_writes_verdict() {
+        for n in [1000usize, 300_000] {
+            for dt in [DType::F32, DType::F16, DType::BF16] {
+                for last in [1.0f32, 19260.0] {
+                    let mut r = vec![0.5f32; n];
+                    r[n - 1] = last;
+                    let raw = Tensor::from_vec(r, n, &Device::Cpu).unwrap().to_dtype(dt).unwrap();
+                    let mut a = vec![1.0f32; n];
+                    a[n - 1] = 3e38;
+                    let acc = Tensor::from_vec(a, n, &Device::Cpu).unwrap();
+                    // 19260 * 2^112 is about 1e38: finite alone, not added to 3e38.
+                    let scale = 2f32.powi(-112);
+                    let predicted = sum_nonfinite(&raw, scale, &acc).unwrap();
+                    assert_eq!(predicted, last > 1.0, "n={n} {dt:?} last={last}");
+                    assert_eq!(
+                        unscale_check_into(&raw, scale, &acc, true).unwrap(),
+                        predicted,
+                        "n={n} {dt:?}"
+                    );
+                }
+            }
+        }
+    }
 }

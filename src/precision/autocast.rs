@@ -420,6 +420,11 @@ impl CastContext {
         drop(gone);
     }
 
+    /// The cached casts themselves (for [`crate::testing::live_buffers`]).
+    pub(crate) fn cached_casts(&self) -> Vec<Tensor> {
+        self.lock_cache().entries.values().map(|e| e.cast.clone()).collect()
+    }
+
     /// Number of cached casts.
     pub(crate) fn cached(&self) -> usize {
         self.lock_cache().entries.len()

@@ -28,6 +28,9 @@ use crate::scaling::{DynamicParams, LossScale};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Stage {
+    /// `unscale` added the gradients, and what follows it (the step reducer) failed: a
+    /// retried `unscale` or `step` finishes it without adding them again.
+    Added,
     Unscaled,
     Stepped,
 }
@@ -61,9 +64,11 @@ pub struct GradScalerState {
 /// step (a cached cast is never used once its weight has changed).
 ///
 /// Per optimizer and iteration: any number of `accumulate` calls, then `unscale` at most
-/// once and before `step`; `step` at most once (it unscales the given gradients first if
-/// `unscale` was not called, and skips silently, returning [`StepOutcome::Skipped`], when a
-/// gradient of any accumulated micro-batch was inf or NaN); then one `update` for all
+/// once and before `step` (on a disabled scaler a second `unscale` does nothing, as
+/// PyTorch's: each backward's gradients are added exactly once); `step` at most once (it
+/// unscales the given gradients first if `unscale` was not called, and skips silently,
+/// returning [`StepOutcome::Skipped`], when a gradient of any accumulated micro-batch was
+/// inf or NaN); then one `update` for all
 /// optimizers, which adjusts the scale from every recorded check and resets the stages.
 /// Breaking these rules is an [`AmpError::CallOrder`]. Optimizers are told apart by their
 /// process-unique id, so one scaler serves optimizers of several AMP handles.
@@ -182,6 +187,12 @@ impl GradScaler {
                 "step() has already been called on this optimizer since the last update(); call update() \
                  and zero_grad() first",
             )),
+            Some((Stage::Added, _)) => Err(AmpError::call_order(
+                call,
+                CallOrderKind::AlreadyUnscaled,
+                "unscale() has added this optimizer's gradients and then failed (see its error); call \
+                 unscale() or step() again to finish it, or zero_grad() and update() to drop the step",
+            )),
             None => Ok(()),
         }
     }
@@ -219,12 +230,24 @@ impl GradScaler {
 
     /// Adds `grads` to the optimizer's f32 master gradients (unscaled) and records whether any
     /// gradient accumulated since the last step is inf or NaN. At most once per optimizer
-    /// between updates, and not after its `step`.
+    /// between updates, and not after its `step`; a second call is an error, except on a
+    /// disabled scaler, where it does nothing (PyTorch's disabled `unscale_` is a no-op).
+    ///
+    /// Each backward's gradients are added exactly once: after `unscale`, the `grads` given
+    /// to `step` (or to a disabled scaler's later `unscale`) are not used. If `unscale` fails
+    /// after adding them (the step reducer of data parallel timed out), a retried `unscale`
+    /// or `step` finishes it without adding them again.
     pub fn unscale(&mut self, opt: &mut AmpOptimizer, grads: &GradStore) -> Result<()> {
-        if self.enabled {
-            self.check_ready(opt, "unscale")?;
+        match self.stages.get(&opt.id()).map(|s| s.0) {
+            // A disabled scaler's gradients were added by the first call: nothing to do.
+            Some(Stage::Unscaled | Stage::Stepped) if !self.enabled => return Ok(()),
+            Some(Stage::Added) => {}
+            _ => {
+                self.check_ready(opt, "unscale")?;
+                self.add(opt, grads)?;
+                self.stages.insert(opt.id(), (Stage::Added, false));
+            }
         }
-        self.add(opt, grads)?;
         // Under data parallel, average the step's gradients and combine the overflow flags
         // now, so that clipping after `unscale` and the skip decision see the same values on
         // every process.
@@ -281,7 +304,8 @@ impl GradScaler {
                 self.scale.set_scale(s);
             }
             None => {
-                if self.stages.is_empty() {
+                // An `unscale` that failed after adding its gradients recorded no check.
+                if self.stages.values().all(|s| s.0 == Stage::Added) {
                     return Err(AmpError::call_order(
                         "update",
                         CallOrderKind::NothingRecorded,
@@ -289,7 +313,7 @@ impl GradScaler {
                          optimizers first",
                     ));
                 }
-                let inf = self.stages.values().any(|s| s.1);
+                let inf = self.stages.values().any(|s| s.0 != Stage::Added && s.1);
                 self.scale.adjust(!inf);
             }
         }

@@ -22,7 +22,7 @@ use candle_core::{DType, Tensor, Var};
 
 use std::sync::Arc;
 
-use super::optim::{AmpOptimizer, Round};
+use super::optim::{AmpOptimizer, Pending, Round};
 use super::run::{RunState, merge_grads};
 use crate::error::{AmpError, CallOrderKind, Result};
 use crate::kernels::unscale::nonfinite;
@@ -68,7 +68,7 @@ pub struct BackwardReport {
 /// [`AmpError::CallOrder`]; dropping it without a backward
 /// leaves everything as it was.
 ///
-/// It dereferences to the scaled loss (f32), for users who drive backward themselves.
+/// [`loss`](Self::loss) is the scaled loss (f32), for users who drive backward themselves.
 ///
 /// ```
 /// use candle_amp as amp;
@@ -82,7 +82,7 @@ pub struct BackwardReport {
 /// let loss = amp::ops::mse(&model.forward(&x)?, &x.narrow(1, 0, 1)?)?;
 /// let guard = amp.scale_loss(&loss, &mut opt)?;
 /// assert_eq!(guard.loss_scale(), 65536.0);                // O2's initial dynamic scale
-/// assert_eq!(guard.dtype(), candle_core::DType::F32);     // the scaled loss is f32
+/// assert_eq!(guard.loss().dtype(), candle_core::DType::F32); // the scaled loss is f32
 /// let report = guard.backward()?;
 /// assert!(!report.found_inf);
 /// assert_eq!(opt.master_grads().len(), 2);                // unscaled f32 gradients
@@ -107,13 +107,6 @@ impl std::fmt::Debug for ScaleLoss<'_> {
             .field("loss_id", &self.loss_id)
             .field("scale", &self.scale)
             .finish()
-    }
-}
-
-impl std::ops::Deref for ScaleLoss<'_> {
-    type Target = Tensor;
-    fn deref(&self) -> &Tensor {
-        &self.scaled
     }
 }
 
@@ -164,6 +157,13 @@ impl<'a> ScaleLoss<'a> {
         self.scale
     }
 
+    /// The scaled loss: the loss in f32 times [`loss_scale`](Self::loss_scale), for a user
+    /// who drives the backward through [`backward_with`](Self::backward_with) or
+    /// [`backward_from_grads`](Self::backward_from_grads) (gradients of this tensor).
+    pub fn loss(&self) -> &Tensor {
+        &self.scaled
+    }
+
     /// Runs the whole pipeline: backward on the scaled loss, reduce, unscale and check,
     /// accumulate.
     pub fn backward(self) -> Result<BackwardReport> {
@@ -182,7 +182,7 @@ impl<'a> ScaleLoss<'a> {
     }
 
     /// Runs stages 2 to 4 on raw gradients obtained elsewhere (they must be gradients of the
-    /// scaled loss, which the guard dereferences to, keyed by the working Vars).
+    /// scaled loss, [`loss`](Self::loss), keyed by the working Vars).
     pub fn backward_from_grads(self, grads: GradStore) -> Result<BackwardReport> {
         let ScaleLoss {
             run,
@@ -219,7 +219,10 @@ impl<'a> ScaleLoss<'a> {
 /// Stages 2 to 4 over one backward's raw gradients, for both APIs (the guard and
 /// `GradScaler`): the run's reducer (stage 2), unscale and check every optimizer's gradients
 /// (stage 3; the overflow flag combined through the reducer), and accumulate them into the
-/// optimizers (stage 4). Everything that can refuse is checked before any optimizer changes.
+/// optimizers (stage 4). All or nothing: everything that can fail (the call-order checks,
+/// the unscaling, the reducer's calls to other processes, the device flags' sums) runs
+/// before the first write into an optimizer, so a failed backward leaves every optimizer's
+/// master gradients, flags and counters as they were, and can be retried.
 /// `loss` is the loss's check: whether it was found non-finite on the host, and on the
 /// device path its flag on the device instead.
 pub(crate) fn run_stages(
@@ -233,7 +236,7 @@ pub(crate) fn run_stages(
 ) -> Result<BackwardReport> {
     let (loss_nonfinite, loss_flag) = loss;
     for o in optimizers.iter() {
-        o.check_can_backward("backward")?;
+        o.check_accumulate(round)?;
     }
     let owned: Vec<Vec<(String, Var)>> = optimizers.iter_mut().map(|o| o.trained_vars()).collect::<Result<_>>()?;
     let all: Vec<(String, Var)> = owned.iter().flatten().cloned().collect();
@@ -243,41 +246,30 @@ pub(crate) fn run_stages(
     if let Some(r) = &reducer {
         r.reduce(&mut grads, &all)?;
     }
-    let warnings = if run.first_backward() {
-        unused_warning(&grads, &all).into_iter().collect()
-    } else {
-        Vec::new()
-    };
+    let unused = unused_names(&grads, &all);
     let mut found_inf = loss_nonfinite;
     let mut nonfinite = Vec::new();
     if loss_nonfinite {
         nonfinite.push("<loss>".to_string());
     }
-    // The numerics doctor (if attached) reads the raw, still scaled gradients here.
-    let observer = run.casts.observer();
-    let recording = observer.as_ref().filter(|o| o.recording());
-    if let Some(o) = recording {
-        for (name, v) in &all {
-            if let Some(g) = grads.get(v.as_tensor()) {
-                o.record(name, TensorKind::Grad, g, 1.0);
-            }
-        }
-    }
+    // With a reducer the verdict is combined across processes before anything is written,
+    // so stage 3 checks the sums it will make in place without making them yet.
+    let verdict_first = reducer.is_some();
     let mut per_opt = Vec::with_capacity(owned.len());
     let mut deferred = false;
-    for (opt, params) in optimizers.iter_mut().zip(&owned) {
-        let u = opt.unscale_into(&grads, params, scale, check)?;
+    for (opt, params) in optimizers.iter().zip(&owned) {
+        let u = opt.unscale_into(&grads, params, scale, check, verdict_first)?;
         found_inf |= u.found_inf;
         nonfinite.extend(u.nonfinite.iter().cloned());
         deferred |= u.device_flag.is_some();
-        per_opt.push((u.grads, u.device_flag));
+        per_opt.push(u);
     }
     let mut loss_flag = loss_flag;
     if let Some(r) = &reducer {
         if deferred || loss_flag.is_some() {
             // The reducer combines the verdict across processes now: read this backward's
             // flags (one host read; the applied sums are still checked at the step).
-            let mut flags: Vec<Tensor> = per_opt.iter_mut().filter_map(|(_, f)| f.take()).collect();
+            let mut flags: Vec<Tensor> = per_opt.iter_mut().filter_map(|u| u.device_flag.take()).collect();
             flags.extend(loss_flag.take());
             found_inf |= crate::train::optim::read_device_flags(run, &flags)?
                 .into_iter()
@@ -285,23 +277,51 @@ pub(crate) fn run_stages(
         }
         found_inf = r.reduce_found_inf(found_inf)?;
     }
-    nonfinite.sort();
-    nonfinite.dedup();
     // An overflow in any optimizer's gradients skips the step of all of them (as `found_inf`
     // does on the CPU path): each defers the block's combined flag.
     let mut block: Option<Tensor> = None;
-    for f in per_opt.iter().filter_map(|(_, f)| f.as_ref()) {
+    for f in per_opt.iter().filter_map(|u| u.device_flag.as_ref()) {
         block = Some(match block {
             Some(b) => (b + f)?,
             None => f.clone(),
         });
     }
-    for (opt, (g, _)) in optimizers.iter_mut().zip(per_opt) {
-        let flags = deferred.then(|| (block.clone(), loss_flag.clone()));
-        opt.accumulate(round, g, found_inf, nonfinite.clone(), flags)?;
+    let mut pending: Vec<Option<Pending>> = Vec::with_capacity(per_opt.len());
+    for opt in optimizers.iter() {
+        pending.push(match deferred {
+            true => Some(opt.with_flags(round, block.clone(), loss_flag.clone())?),
+            false => None,
+        });
     }
+    // Nothing can fail from here on: the writes. First the sums made in place (checked now
+    // where the verdict did not have to come first), then the commits with the block's
+    // verdict.
+    for (opt, u) in optimizers.iter().zip(per_opt.iter_mut()) {
+        opt.add_in_place(u)?;
+        found_inf |= u.found_inf;
+        nonfinite.extend(u.nonfinite.iter().cloned());
+    }
+    nonfinite.sort();
+    nonfinite.dedup();
+    for ((opt, u), p) in optimizers.iter_mut().zip(per_opt).zip(pending) {
+        opt.commit(round, u, found_inf, nonfinite.clone(), p);
+    }
+    // The run's first backward is its first that succeeds.
+    let first = run.first_backward();
+    let warnings = match unused {
+        Some(names) if first => vec![unused_warning(&names)],
+        _ => Vec::new(),
+    };
+    // The numerics doctor (if attached) reads the raw, still scaled gradients (stage 3 only
+    // read them), then the weights and master gradients: only for a backward that went in.
+    let observer = run.casts.observer();
     if let Some(o) = &observer {
         if o.recording() {
+            for (name, v) in &all {
+                if let Some(g) = grads.get(v.as_tensor()) {
+                    o.record(name, TensorKind::Grad, g, 1.0);
+                }
+            }
             for (name, v) in &all {
                 o.record(name, TensorKind::Weight, v.as_tensor(), 1.0);
             }
@@ -325,19 +345,20 @@ pub(crate) fn run_stages(
     })
 }
 
-/// The warning for trained parameters that got no gradient from a backward (a layer whose
-/// op has no backward, such as candle-nn's fused `layer_norm`, or a branch the loss does not
-/// reach): they would silently never change. Logged through `log` too. Frozen parameters
-/// are not trained, so not listed.
-fn unused_warning(grads: &GradStore, params: &[(String, Var)]) -> Option<String> {
-    let unused: Vec<&str> = params
+/// The trained parameters that got no gradient from a backward (a layer whose op has no
+/// backward, such as candle-nn's fused `layer_norm`, or a branch the loss does not reach):
+/// they would silently never change. Frozen parameters are not trained, so not listed.
+fn unused_names(grads: &GradStore, params: &[(String, Var)]) -> Option<Vec<String>> {
+    let unused: Vec<String> = params
         .iter()
         .filter(|(_, v)| grads.get(v.as_tensor()).is_none())
-        .map(|(n, _)| n.as_str())
+        .map(|(n, _)| n.clone())
         .collect();
-    if unused.is_empty() {
-        return None;
-    }
+    (!unused.is_empty()).then_some(unused)
+}
+
+/// The warning for [`unused_names`], logged through `log` too.
+fn unused_warning(unused: &[String]) -> String {
     let w = format!(
         "{} trained parameter(s) received no gradient in the first backward and will not change: {}. \
          Check that the loss depends on them through ops with a backward (candle_nn's fused layer_norm, \
@@ -346,26 +367,10 @@ fn unused_warning(grads: &GradStore, params: &[(String, Var)]) -> Option<String>
         unused.join(", ")
     );
     log::warn!("{w}");
-    Some(w)
+    w
 }
 
 /// Stage 1: backward on the scaled loss.
 pub(crate) fn stage_backward(scaled_loss: &Tensor) -> Result<GradStore> {
     Ok(scaled_loss.backward()?)
-}
-
-/// Stage 3's output for one optimizer.
-#[derive(Debug)]
-pub(crate) struct Unscaled {
-    /// Unscaled f32 gradients by parameter name, for parameters that had no master gradient
-    /// yet this step (the others were accumulated in place); parameters without a gradient
-    /// are absent.
-    pub grads: Vec<(String, Tensor)>,
-    /// Whether any was non-finite.
-    pub found_inf: bool,
-    /// Which.
-    pub nonfinite: Vec<String>,
-    /// On the device path: the sum of the unscaled gradients' flags, on the device (see
-    /// `AmpOptimizer`'s `device` module); `found_inf` is then false.
-    pub device_flag: Option<Tensor>,
 }

@@ -296,3 +296,17 @@ pub fn on_ranks<T: Send>(
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     })
 }
+
+/// Asserts that no two of the run's live buffers (parameters, masters, cast cache, each
+/// optimizer's master gradients, spare buffers and state: `amp::testing::live_buffers`)
+/// share storage. candle's `clone`, `detach` and same-type `to_dtype` share it, and the
+/// library writes most of these in place: two sharing one would change together. `what`
+/// names the stage.
+pub fn assert_no_shared_storage(amp: &amp::Amp, optimizers: &[&amp::AmpOptimizer], what: &str) {
+    let mut seen: std::collections::HashMap<usize, String> = std::collections::HashMap::new();
+    for (name, t) in amp::testing::live_buffers(amp, optimizers).unwrap() {
+        if let Some(other) = seen.insert(amp::kernels::storage_key(&t), name.clone()) {
+            panic!("{what}: `{name}` and `{other}` share storage");
+        }
+    }
+}

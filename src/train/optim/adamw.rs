@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 
 use super::fused::{self, Slots, Target};
 use super::{GroupHyper, Optimizer, OptimizerState, ParamBuffers, ParamUpdate};
@@ -134,13 +134,10 @@ impl Optimizer for AdamW {
         let adjusted = (m_hat / (v_hat.sqrt()? + c.eps)?)?;
         let next_theta = (next_theta - (adjusted * lr)?)?;
         // The state is written only after every value above exists.
-        let (nm, nv) = (
-            next_m.to_dtype(DType::F32)?.detach(),
-            next_v.to_dtype(DType::F32)?.detach(),
-        );
+        let (nm, nv) = (fused::Buf::kept(&next_m, p)?, fused::Buf::kept(&next_v, p)?);
         let st = self.slots(p);
-        st.bufs[0].1 = fused::Buf::Device(nm);
-        st.bufs[1].1 = fused::Buf::Device(nv);
+        st.bufs[0].1 = nm;
+        st.bufs[1].1 = nv;
         st.step += 1;
         Ok(next_theta.detach())
     }

@@ -140,6 +140,19 @@ pub(crate) enum Buf {
 }
 
 impl Buf {
+    /// A tensor-path buffer kept from `t`, a new value of `p`'s state: f32, detached, and in
+    /// storage of its own. A value computed from the step's inputs can be one of them (SGD's
+    /// first momentum is the gradient itself), and the master gradient is written in place
+    /// by the next backward: kept as it is, the state would change with it.
+    pub(crate) fn kept(t: &Tensor, p: &ParamUpdate<'_>) -> Result<Self> {
+        let mut inputs = vec![p.grad, p.var.as_tensor()];
+        inputs.extend(p.working.map(|w| w.as_tensor()));
+        Ok(Buf::Device(crate::kernels::apart_from(
+            &t.to_dtype(DType::F32)?,
+            &inputs,
+        )?))
+    }
+
     /// The host values, read from the device first if they are there.
     pub(crate) fn host_mut(&mut self) -> Result<&mut Vec<f32>> {
         if let Buf::Device(t) = self {
@@ -230,7 +243,8 @@ impl Slots {
             let b = if t.device().is_cpu() {
                 Buf::Host(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
             } else {
-                Buf::Device(t.to_dtype(DType::F32)?.detach())
+                // Owned storage: the caller keeps the saved state (a snapshot) it loaded from.
+                Buf::Device(crate::kernels::apart_from(&t.to_dtype(DType::F32)?, &[t])?)
             };
             bufs.push((*k, b));
         }

@@ -14,8 +14,8 @@ mod sgd;
 mod state;
 
 pub use adamw::{AdamW, AdamWConfig};
-pub(crate) use amp_optimizer::Round;
 pub use amp_optimizer::{AmpOptimizer, AmpOptimizerState, ParamGroup, StepOutcome};
+pub(crate) use amp_optimizer::{Pending, Round};
 pub(crate) use amp_optimizer::{device_flag, read_device_flags, read_device_values};
 pub use candle_adapter::CandleOptimizer;
 pub use sgd::{Sgd, SgdConfig};
@@ -64,29 +64,46 @@ pub(crate) fn slot_buffers(state: &BTreeMap<String, fused::Slots>) -> Result<Vec
 }
 
 /// The default [`Optimizer::step`]: every new value (and its cast to the working type)
-/// computed with [`Optimizer::update`] first, shapes and types checked, then all written.
+/// computed with [`Optimizer::update`] first, shapes, types, devices and storage checked,
+/// then all written.
 pub fn default_step<O: Optimizer + ?Sized>(opt: &mut O, params: &[ParamUpdate<'_>]) -> Result<()> {
     let mut new = Vec::with_capacity(params.len());
     for p in params {
         let v = opt.update(p)?;
-        if v.dims() != p.var.dims() || v.dtype() != p.var.dtype() {
+        let fits = v.dims() == p.var.dims()
+            && v.dtype() == p.var.dtype()
+            && v.device().same_device(p.var.device())
+            && p.var.as_tensor().is_contiguous()
+            && p.working.is_none_or(|w| w.as_tensor().is_contiguous());
+        if !fits {
             return Err(crate::error::AmpError::OptimizerState(format!(
-                "the {} update of `{}` has shape {:?} and type {:?}, the parameter {:?} and {:?}",
+                "the {} update of `{}` has shape {:?}, type {:?} and device {:?}, the parameter {:?}, {:?} and \
+                 {:?} (and must be contiguous): return a value of the parameter's shape, type and device",
                 opt.name(),
                 p.name,
                 v.dims(),
                 v.dtype(),
+                v.device().location(),
                 p.var.dims(),
-                p.var.dtype()
+                p.var.dtype(),
+                p.var.device().location()
             )));
         }
+        // `Var::set` refuses a value over the Var's own storage (an identity update returns
+        // the parameter itself): such a value is written from a copy, so that no write below
+        // can refuse after earlier ones were made.
+        let v = crate::kernels::apart_from(&v, &[p.var.as_tensor()])?;
         let w = match p.working {
-            Some(w) => Some(crate::kernels::cast(&v, w.dtype())?),
+            Some(w) => Some(crate::kernels::apart_from(
+                &crate::kernels::cast(&v, w.dtype())?,
+                &[w.as_tensor()],
+            )?),
             None => None,
         };
         new.push((v, w));
     }
-    // Every value exists and fits: the writes below cannot fail part-way.
+    // Every value exists, fits and has storage of its own: the writes below cannot fail
+    // part-way.
     for (p, (v, w)) in params.iter().zip(new) {
         p.var.set(&v)?;
         if let (Some(wv), Some(w)) = (p.working, w) {
@@ -115,7 +132,10 @@ pub struct ParamUpdate<'a> {
     /// The half working copy the model computes with, when it is a separate Var (O2's
     /// masters, O3): a step writes the new value into it too, in the same commit.
     pub working: Option<&'a Var>,
-    /// Its unscaled f32 gradient.
+    /// Its unscaled f32 gradient: the optimizer's master-gradient buffer, which later
+    /// backward passes write in place. An algorithm that keeps it (or a value that may be it,
+    /// such as `grad.clone()` or a same-type `to_dtype`) past the step must keep a copy
+    /// (`Tensor::copy`), or its state changes with the next backward.
     pub grad: &'a Tensor,
     /// Its group's hyper-parameters.
     pub hyper: GroupHyper,
@@ -146,8 +166,9 @@ pub trait Optimizer: Send {
     /// On an error the caller ([`AmpOptimizer`]) restores the algorithm's state from a
     /// [`state_dict`](Optimizer::state_dict) taken before the step, so a retried step applies
     /// once. The default computes every new value (and its cast to the working type) with
-    /// [`update`](Optimizer::update) first, checks shapes and types, then writes them all;
-    /// an override must keep the same contract.
+    /// [`update`](Optimizer::update) first, checks shapes, types and devices, copies a value
+    /// that shares the parameter's storage (which `Var::set` would refuse), then writes them
+    /// all; an override must keep the same contract.
     fn step(&mut self, params: &[ParamUpdate<'_>]) -> Result<()> {
         default_step(self, params)
     }

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 
 use super::fused::{self, Slots, Target};
 use super::{GroupHyper, Optimizer, OptimizerState, ParamBuffers, ParamUpdate};
@@ -141,13 +141,15 @@ impl Optimizer for Sgd {
             } else {
                 buf.clone()
             };
-            new_buf = Some(buf.to_dtype(DType::F32)?.detach());
+            // At the first step `buf` is the gradient itself (no weight decay), which the
+            // next backward overwrites in place: kept apart from it (PyTorch: `buf = g_1`).
+            new_buf = Some(fused::Buf::kept(&buf, p)?);
         }
         let next = param.sub(&(d * p.hyper.lr)?)?.detach();
         // The state is written only after every value above exists.
         let (st, _) = self.slots(p);
         if let Some(b) = new_buf {
-            st.bufs[0].1 = fused::Buf::Device(b);
+            st.bufs[0].1 = b;
         }
         st.step += 1;
         Ok(next)

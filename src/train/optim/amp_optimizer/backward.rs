@@ -6,24 +6,60 @@ use candle_core::{DType, Tensor, Var};
 use super::{AmpOptimizer, Round, Stage};
 use crate::error::{AmpError, Result};
 
+/// Stage 3's output for one optimizer: one backward's unscaled gradients, made without
+/// changing anything the optimizer holds, for [`AmpOptimizer::add_in_place`] and
+/// [`AmpOptimizer::commit`] to apply once nothing can fail any more. A backward that fails
+/// before then leaves the optimizer as it was.
+#[derive(Debug)]
+pub(crate) struct Unscaled {
+    /// Master gradients to insert at the commit: parameters' first gradients this step (in a
+    /// new buffer or a spare one), and sums made apart (off the CPU, or with the kernels off)
+    /// that replace the live ones.
+    pub grads: Vec<(String, Tensor)>,
+    /// The parameters whose buffer in `grads` is a spare: taken from the spares at the commit.
+    spares: Vec<String>,
+    /// Raw gradients to add into the live master gradients in place, at the commit.
+    adds: Vec<(String, Tensor)>,
+    /// Whether `found_inf` and `nonfinite` already cover the sums `adds` will make (checked
+    /// without writing, for a verdict that must be combined before anything is written).
+    adds_checked: bool,
+    scale: f32,
+    check: bool,
+    /// Whether any was non-finite.
+    pub found_inf: bool,
+    /// Which.
+    pub nonfinite: Vec<String>,
+    /// On the device path: the sum of the unscaled gradients' flags, on the device (see the
+    /// `device` module); `found_inf` is then false.
+    pub device_flag: Option<Tensor>,
+}
+
 impl AmpOptimizer {
     /// Stage 3 of the backward pipeline for this optimizer's parameters: checks each raw
-    /// gradient and unscales it into its f32 master gradient in one pass. Where the
-    /// parameter already has a master gradient this step (accumulation), the unscaled value
-    /// is added to it in place and the sum is checked in the same pass (two finite
-    /// gradients can overflow together); otherwise it is written into a buffer kept from an
-    /// earlier step, or into a new one the first time. Returns the new master gradients
-    /// for [`accumulate`](Self::accumulate), and what was non-finite.
+    /// gradient and unscales it in one pass. A parameter's first gradient this step goes into
+    /// a buffer kept from an earlier step (no one reads it), or a new one the first time;
+    /// where the parameter already has a master gradient (accumulation), the raw gradient is
+    /// added to it in place at the commit ([`add_in_place`](Self::add_in_place)), and the sum
+    /// checked in the same pass (two finite gradients can overflow together). With
+    /// `verdict_first` (something that can fail, such as combining the verdict across
+    /// processes, comes before the commit) the sums are checked now, without writing.
+    /// Changes nothing the optimizer holds: see [`Unscaled`].
     pub(crate) fn unscale_into(
-        &mut self,
+        &self,
         grads: &candle_core::backprop::GradStore,
         params: &[(String, Var)],
         scale: f32,
         check: bool,
-    ) -> Result<crate::train::guard::Unscaled> {
-        use crate::kernels::unscale::{unscale_check, unscale_check_into};
-        let mut out = crate::train::guard::Unscaled {
+        verdict_first: bool,
+    ) -> Result<Unscaled> {
+        use crate::kernels::unscale::{sum_nonfinite, unscale_check, unscale_check_into};
+        let mut out = Unscaled {
             grads: Vec::new(),
+            spares: Vec::new(),
+            adds: Vec::new(),
+            adds_checked: verdict_first,
+            scale,
+            check,
             found_inf: false,
             nonfinite: Vec::new(),
             device_flag: None,
@@ -45,7 +81,9 @@ impl AmpOptimizer {
                 }
                 let g = match self.grads.get(name) {
                     Some(live) => (live + g.reshape(live.shape())?)?.detach(),
-                    None => g,
+                    // At a scale of 1 an f32 gradient unscales to itself: a master gradient
+                    // is storage of its own, never the caller's gradient.
+                    None => crate::kernels::apart_from(&g, &[raw])?,
                 };
                 out.grads.push((name.clone(), g));
             }
@@ -55,13 +93,17 @@ impl AmpOptimizer {
             });
             return Ok(out);
         }
+        // Written in place by the one-pass kernel: f32 CPU storage of the raw gradient's size,
+        // shared with nothing the raw gradient is.
         let in_place = |buf: &Tensor, raw: &Tensor| {
             crate::kernels::enabled()
                 && buf.device().is_cpu()
                 && raw.device().is_cpu()
                 && buf.dtype() == DType::F32
+                && matches!(raw.dtype(), DType::F32 | DType::F16 | DType::BF16 | DType::F64)
                 && buf.is_contiguous()
                 && buf.shape() == raw.shape()
+                && !crate::kernels::same_storage(buf, raw)
         };
         for (name, var) in params {
             let Some(raw) = grads.get(var.as_tensor()) else {
@@ -69,7 +111,11 @@ impl AmpOptimizer {
             };
             let raw = raw.detach();
             let bad = match self.grads.get(name) {
-                Some(live) if in_place(live, &raw) => unscale_check_into(&raw, scale, live, true)?,
+                Some(live) if in_place(live, &raw) => {
+                    let bad = verdict_first && check && sum_nonfinite(&raw, scale, live)?;
+                    out.adds.push((name.clone(), raw));
+                    bad
+                }
                 Some(live) => {
                     // Another device (or the kernels off): unscale, then add, checked.
                     let (g, bad) = unscale_check(&raw, scale, check)?;
@@ -77,10 +123,11 @@ impl AmpOptimizer {
                     out.grads.push((name.clone(), sum));
                     bad || sum_bad
                 }
-                None => match self.spare.remove(name) {
-                    Some(buf) if in_place(&buf, &raw) => {
-                        let bad = unscale_check_into(&raw, scale, &buf, false)?;
-                        out.grads.push((name.clone(), buf));
+                None => match self.spare.get(name) {
+                    Some(buf) if in_place(buf, &raw) => {
+                        let bad = unscale_check_into(&raw, scale, buf, false)?;
+                        out.grads.push((name.clone(), buf.clone()));
+                        out.spares.push(name.clone());
                         bad
                     }
                     _ => {
@@ -98,16 +145,27 @@ impl AmpOptimizer {
         Ok(out)
     }
 
-    /// Stage 4 of the backward pipeline: adds one backward's unscaled gradients (already
-    /// detached f32) and OR-s its overflow flag into the round's.
-    pub(crate) fn accumulate(
-        &mut self,
-        round: Round,
-        grads: Vec<(String, Tensor)>,
-        found_inf: bool,
-        nonfinite: Vec<String>,
-        device_flags: Option<(Option<Tensor>, Option<Tensor>)>,
-    ) -> Result<()> {
+    /// The first write of a backward: adds the raw gradients `u` holds into the live master
+    /// gradients in place (checked by [`unscale_into`](Self::unscale_into): CPU buffers of the
+    /// right type and size, so the kernel does not refuse), recording in `u` the sums that
+    /// overflowed unless they were checked before.
+    pub(crate) fn add_in_place(&self, u: &mut Unscaled) -> Result<()> {
+        for (name, raw) in std::mem::take(&mut u.adds) {
+            let Some(live) = self.grads.get(&name) else {
+                continue;
+            };
+            let bad = crate::kernels::unscale::unscale_check_into(&raw, u.scale, live, true)?;
+            if u.check && bad && !u.adds_checked {
+                u.found_inf = true;
+                u.nonfinite.push(name);
+            }
+        }
+        Ok(())
+    }
+
+    /// Refuses a backward this optimizer cannot take: after a step without `zero_grad`, or
+    /// for a loss id the run does not have. Checked before anything is written.
+    pub(crate) fn check_accumulate(&self, round: Round) -> Result<()> {
         self.check_can_backward("backward")?;
         if let Round::Loss(loss_id) = round {
             let n = self.run.props.num_losses;
@@ -118,21 +176,50 @@ impl AmpOptimizer {
                 });
             }
         }
-        // Gradients accumulated in place (and their sums checked) by `unscale_into`; these
-        // are the parameters' first gradients this step, or sums made off the CPU.
-        self.grads.extend(grads);
+        Ok(())
+    }
+
+    /// The device path's pending flags with one backward's gradient and loss flags added for
+    /// `round`, made without changing the optimizer's (for [`commit`](Self::commit)).
+    pub(crate) fn with_flags(
+        &self,
+        round: Round,
+        grads: Option<Tensor>,
+        loss: Option<Tensor>,
+    ) -> Result<super::device::Pending> {
+        self.pending.with(round, grads, loss, self.run.store.device())
+    }
+
+    /// Stage 4 of the backward pipeline, the commit: records one backward's unscaled
+    /// gradients (already detached f32; those accumulated in place were added by
+    /// [`add_in_place`](Self::add_in_place)), OR-s its overflow flag into the round's, and
+    /// counts the micro-batch. Nothing here can fail: everything that can was done before
+    /// ([`check_accumulate`](Self::check_accumulate), [`unscale_into`](Self::unscale_into),
+    /// [`with_flags`](Self::with_flags)).
+    pub(crate) fn commit(
+        &mut self,
+        round: Round,
+        u: Unscaled,
+        found_inf: bool,
+        nonfinite: Vec<String>,
+        pending: Option<super::device::Pending>,
+    ) {
+        for name in &u.spares {
+            self.spare.remove(name);
+        }
+        self.grads.extend(u.grads);
         *self.found_inf.entry(round).or_insert(false) |= found_inf;
-        // The device path: this backward's gradient and loss flags, read at the step.
-        if let Some((grads, loss)) = device_flags {
-            self.defer_flags(round, grads, loss)?;
+        if let Some(p) = pending {
+            self.pending = p;
         }
         self.nonfinite.extend(nonfinite);
         self.micro_batches += 1;
         self.stage = Stage::HasGrads;
-        if let Round::Loss(loss_id) = round {
-            self.run.scalers_mut()[loss_id].enlist(self.id);
+        if let Round::Loss(loss_id) = round
+            && let Some(s) = self.run.scalers_mut().get_mut(loss_id)
+        {
+            s.enlist(self.id);
         }
-        Ok(())
     }
 
     /// The (name, working Var) pairs of the parameters this optimizer trains. Checks

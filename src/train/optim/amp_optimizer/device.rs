@@ -25,7 +25,7 @@ use super::{AmpOptimizer, Round};
 use crate::error::Result;
 
 /// Overflow flags of the device path not read on the host yet.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub(crate) struct Pending {
     /// Per scaling round, the sum of its backwards' flags (raw gradients and losses).
     rounds: BTreeMap<Round, Tensor>,
@@ -36,6 +36,36 @@ pub(crate) struct Pending {
 impl Pending {
     pub(crate) fn is_empty(&self) -> bool {
         self.rounds.is_empty() && self.loss.is_none()
+    }
+
+    /// These flags with one backward's (its raw gradients' and its loss's) added for
+    /// `round`; `self` is left as it is, so a backward that fails later changes nothing.
+    pub(crate) fn with(
+        &self,
+        round: Round,
+        grads: Option<Tensor>,
+        loss: Option<Tensor>,
+        device: &candle_core::Device,
+    ) -> Result<Self> {
+        let mut p = self.clone();
+        if let Some(l) = &loss {
+            p.loss = Some(add(p.loss.take(), l)?);
+        }
+        let both = match (grads, loss) {
+            (Some(g), Some(l)) => Some((g + l)?),
+            (g, l) => g.or(l),
+        };
+        let entry = p.rounds.remove(&round);
+        let sum = match both {
+            Some(b) => add(entry, &b)?,
+            None => match entry {
+                Some(e) => e,
+                // A round with nothing to check still takes part (the scaler waits for it).
+                None => Tensor::zeros((), DType::F32, device)?,
+            },
+        };
+        p.rounds.insert(round, sum);
+        Ok(p)
     }
 }
 
@@ -74,28 +104,6 @@ impl AmpOptimizer {
     /// Whether this optimizer's gradients take the device path (see the module docs).
     pub(crate) fn device_path(&self) -> bool {
         self.run.device_path()
-    }
-
-    /// Records one backward's flags (its raw gradients' and its loss's) for `round`.
-    pub(crate) fn defer_flags(&mut self, round: Round, grads: Option<Tensor>, loss: Option<Tensor>) -> Result<()> {
-        if let Some(l) = &loss {
-            self.pending.loss = Some(add(self.pending.loss.take(), l)?);
-        }
-        let both = match (grads, loss) {
-            (Some(g), Some(l)) => Some((g + l)?),
-            (g, l) => g.or(l),
-        };
-        let entry = self.pending.rounds.remove(&round);
-        let sum = match both {
-            Some(b) => add(entry, &b)?,
-            None => match entry {
-                Some(e) => e,
-                // A round with nothing to check still takes part (the scaler waits for it).
-                None => Tensor::zeros((), DType::F32, self.run.store.device())?,
-            },
-        };
-        self.pending.rounds.insert(round, sum);
-        Ok(())
     }
 
     /// Reads the pending flags and the applied gradients' flags in one host transfer and

@@ -10,7 +10,9 @@ mod device;
 mod saved;
 mod step;
 
-pub(crate) use device::{flag as device_flag, read_flags as read_device_flags, read_values as read_device_values};
+pub(crate) use device::{
+    Pending, flag as device_flag, read_flags as read_device_flags, read_values as read_device_values,
+};
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -384,12 +386,38 @@ impl AmpOptimizer {
         &self.grads
     }
 
-    /// The f32 values of this optimizer's parameters (the masters at O2), by name.
+    /// The f32 values of this optimizer's parameters (the masters at O2), by name. Where a
+    /// parameter has an f32 Var these are the live values, which steps write in place
+    /// (PyTorch's `master_params` are the parameters themselves): `copy()` one to keep it.
     pub fn master_params(&self) -> Result<BTreeMap<String, Tensor>> {
         self.owned()
             .into_iter()
             .map(|(_, p)| Ok((p.name().to_string(), p.f32_value()?)))
             .collect()
+    }
+
+    /// Every tensor this optimizer keeps between calls, named: the master gradients, the
+    /// spare buffers the next backward unscales into, and the algorithm's state (its
+    /// `state_dict`: device tensors as they are kept, host buffers as copies, which share
+    /// nothing). For [`crate::testing::live_buffers`].
+    pub(crate) fn kept_buffers(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut out: Vec<(String, Tensor)> = Vec::new();
+        out.extend(
+            self.grads
+                .iter()
+                .map(|(n, t)| (format!("opt{}.grad.{n}", self.id), t.clone())),
+        );
+        out.extend(
+            self.spare
+                .iter()
+                .map(|(n, t)| (format!("opt{}.spare.{n}", self.id), t.clone())),
+        );
+        for (n, ps) in self.algo.state_dict()?.params {
+            for (k, t) in ps.buffers {
+                out.push((format!("opt{}.state.{n}.{k}", self.id), t));
+            }
+        }
+        Ok(out)
     }
 
     /// Steps taken (not skipped).
