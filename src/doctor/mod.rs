@@ -50,6 +50,7 @@
 
 mod diagnose;
 mod fallback;
+mod gradients;
 mod recorder;
 mod report;
 mod stats;
@@ -94,6 +95,14 @@ pub struct DoctorConfig {
     pub margin: u32,
     /// Points of the loss-scale history kept (1024; thinned beyond).
     pub history: usize,
+    /// Fraction of exact zeros (on average over the observations) at or above which a
+    /// parameter's gradient under a static loss scale counts as vanished (1: entirely zero).
+    #[serde(default = "default_zero_gradient")]
+    pub zero_gradient: f64,
+}
+
+fn default_zero_gradient() -> f64 {
+    1.0
 }
 
 impl Default for DoctorConfig {
@@ -107,6 +116,7 @@ impl Default for DoctorConfig {
             auto_fallback: false,
             margin: 1,
             history: 1024,
+            zero_gradient: default_zero_gradient(),
         }
     }
 }
@@ -126,6 +136,7 @@ impl DoctorConfig {
             ("threshold", self.threshold),
             ("overflow_threshold", self.overflow_threshold),
             ("switch_back", self.switch_back),
+            ("zero_gradient", self.zero_gradient),
         ] {
             if !(0.0..=1.0).contains(&v) {
                 return bad(name, "a fraction in [0, 1]");
@@ -184,6 +195,7 @@ impl Doctor {
             config,
             run.props.half.dtype(),
             run.props.patch_functions,
+            run.device_path(),
             Arc::downgrade(&run),
             fallback::decide,
         ));
@@ -211,14 +223,22 @@ impl Doctor {
     pub fn report(&self) -> DoctorReport {
         let props = &self.run.props;
         let f32_layers = self.run.casts.f32_layers();
-        let scale = self.run.loss_scale(0).unwrap_or(1.0);
+        let scalers: Vec<diagnose::Scaler> = self
+            .run
+            .scalers_mut()
+            .iter()
+            .map(|s| diagnose::Scaler {
+                scale: s.state.scale.scale(),
+                dynamic: s.state.scale.is_dynamic(),
+            })
+            .collect();
         let st = self.recorder.lock();
-        let recommendations = diagnose::diagnose(&self.recorder.cfg, props, &st, &f32_layers, scale);
+        let recommendations = diagnose::diagnose(&self.recorder.cfg, props, &st, &f32_layers, &scalers);
         let bf16 = props.half == crate::HalfType::Bf16;
         let mut tensors: Vec<(u64, TensorReport)> = st
             .tensors
             .iter()
-            .map(|((n, _), a)| (a.order, TensorReport::summary(n, a)))
+            .map(|((n, _, _), a)| (a.order, TensorReport::summary(n, a)))
             .collect();
         tensors.sort_by(|(oa, a), (ob, b)| b.badness(bf16).total_cmp(&a.badness(bf16)).then(oa.cmp(ob)));
         let tensors = tensors.into_iter().map(|(_, t)| t).collect();

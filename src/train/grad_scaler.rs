@@ -164,6 +164,7 @@ impl GradScaler {
             scale,
             (false, None),
             self.enabled,
+            &Default::default(),
         )
     }
 

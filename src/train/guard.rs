@@ -99,6 +99,9 @@ pub struct ScaleLoss<'a> {
     loss_nonfinite: bool,
     /// The device path's flag of the loss (read at the step).
     loss_flag: Option<Tensor>,
+    /// Open while the doctor records this step: the parameters' gradients in f32 before
+    /// they are rounded to half (`kernels::capture`).
+    capture: Option<crate::kernels::capture::Capture>,
 }
 
 impl std::fmt::Debug for ScaleLoss<'_> {
@@ -144,8 +147,10 @@ impl<'a> ScaleLoss<'a> {
             (true, false) => (nonfinite(&loss32)?, None),
             (true, true) => (false, Some(crate::train::optim::device_flag(&loss32)?)),
         };
+        let mut capture = None;
         if let Some(o) = run.casts.recording_observer() {
             o.record(&loss_name(loss_id), TensorKind::Loss, &loss32, 1.0);
+            capture = Some(crate::kernels::capture::Capture::open());
         }
         let scaled = loss32.affine(scale as f64, 0.0)?;
         Ok(Self {
@@ -156,6 +161,7 @@ impl<'a> ScaleLoss<'a> {
             scale,
             loss_nonfinite,
             loss_flag,
+            capture,
         })
     }
 
@@ -191,9 +197,12 @@ impl<'a> ScaleLoss<'a> {
             scale,
             loss_nonfinite,
             loss_flag,
+            capture,
             ..
         } = self;
         let check = run.props.enabled;
+        let pre_round = capture.as_ref().map(|c| c.take()).unwrap_or_default();
+        drop(capture);
         let report = run_stages(
             run,
             grads,
@@ -202,6 +211,7 @@ impl<'a> ScaleLoss<'a> {
             scale,
             (loss_nonfinite, loss_flag),
             check,
+            &pre_round,
         );
         // The block is over: casts not used in it are swept (those used stay cached until their
         // weight's write generation changes at the step).
@@ -221,7 +231,9 @@ impl<'a> ScaleLoss<'a> {
 /// (stage 3; the overflow flag combined through the reducer), and accumulate them into the
 /// optimizers (stage 4). Everything that can refuse is checked before any optimizer changes.
 /// `loss` is the loss's check: whether it was found non-finite on the host, and on the
-/// device path its flag on the device instead.
+/// device path its flag on the device instead. `pre_round`: the gradients kept in f32 before
+/// rounding (`kernels::capture`), by tensor id, for the doctor.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn run_stages(
     run: &RunState,
     mut grads: GradStore,
@@ -230,6 +242,7 @@ pub(crate) fn run_stages(
     scale: f32,
     loss: (bool, Option<Tensor>),
     check: bool,
+    pre_round: &std::collections::HashMap<candle_core::TensorId, Tensor>,
 ) -> Result<BackwardReport> {
     let (loss_nonfinite, loss_flag) = loss;
     for o in optimizers.iter() {
@@ -257,9 +270,13 @@ pub(crate) fn run_stages(
     let observer = run.casts.observer();
     let recording = observer.as_ref().filter(|o| o.recording());
     if let Some(o) = recording {
+        o.begin_gradients(match round {
+            Round::Loss(id) => Some(id),
+            Round::External => None,
+        });
         for (name, v) in &all {
             if let Some(g) = grads.get(v.as_tensor()) {
-                o.record(name, TensorKind::Grad, g, 1.0);
+                o.record_grad(name, g, pre_round.get(&v.as_tensor().id()));
             }
         }
     }
@@ -305,15 +322,20 @@ pub(crate) fn run_stages(
             for (name, v) in &all {
                 o.record(name, TensorKind::Weight, v.as_tensor(), 1.0);
             }
+            // The master gradients of the parameters this backward reached (another loss's
+            // parameters are that loss's).
+            let reached: std::collections::HashSet<&str> = all
+                .iter()
+                .filter(|(_, v)| grads.get(v.as_tensor()).is_some())
+                .map(|(n, _)| n.as_str())
+                .collect();
             for (name, g) in optimizers.iter().flat_map(|opt| opt.master_grads()) {
-                o.record(name, TensorKind::MasterGrad, g, scale);
+                if reached.contains(name.as_str()) {
+                    o.record(name, TensorKind::MasterGrad, g, scale);
+                }
             }
         }
-        o.end_backward(&BackwardInfo {
-            scale,
-            found_inf,
-            nonfinite: &nonfinite,
-        });
+        o.end_backward(&BackwardInfo { scale, found_inf });
     }
     Ok(BackwardReport {
         found_inf,
