@@ -7,7 +7,12 @@
 //! `candle_amp::ops` op's output outside those layers (`matmul#2`: op and call index in the
 //! step), the loss, and per trained parameter its working value, its raw (still scaled)
 //! gradient and its f32 master gradient (whose half-type limits are compared at the loss
-//! scale). [`Doctor::report`] folds that into a [`DoctorReport`] with
+//! scale). A gradient one of the library's products made is also measured in f32 before
+//! its rounding to half (`kernels::capture`), so one that rounds to an exact 0 counts as
+//! underflow; gradients are kept per loss scaler, and each scaler is diagnosed from its own.
+//! On the device path the statistics stay on the device until the end of the backward and
+//! are read in one transfer per observed step (counted in [`Amp::host_syncs`]).
+//! [`Doctor::report`] folds that into a [`DoctorReport`] with
 //! [`Recommendation`]s; [`Doctor::apply`] carries them out in a live run where that is
 //! possible (layers kept in f32, O1 op registrations, the loss scaler's range) and lists
 //! what needs a new run (bf16, f32 master weights). With `auto_fallback` at O1, a layer whose
@@ -219,8 +224,11 @@ impl Doctor {
         &self.recorder.cfg
     }
 
-    /// What the doctor saw so far and recommends.
+    /// What the doctor saw so far and recommends. On the device path, records of a step
+    /// still in progress (a forward whose backward has not ended) are read first, in one
+    /// transfer.
     pub fn report(&self) -> DoctorReport {
+        self.recorder.flush();
         let props = &self.run.props;
         let f32_layers = self.run.casts.f32_layers();
         let scalers: Vec<diagnose::Scaler> = self

@@ -14,6 +14,9 @@ use super::stats::{self, BINADES, Measured, TensorStats};
 use crate::precision::recording::{BackwardInfo, LossOf, Observer, TensorKind};
 use crate::train::run::RunState;
 
+/// The most records waiting on the device path before they are read anyway.
+const MAX_PENDING: usize = 4096;
+
 /// The most switch events kept (the oldest go first).
 pub(crate) const MAX_EVENTS: usize = 256;
 
@@ -209,16 +212,25 @@ impl Recorder {
                 }
             };
             let pre = pre.and_then(|p| measure(p).ok().map(|m| (m, p.elem_count() as u64)));
-            self.lock().pending.push(Pending {
-                name,
-                kind,
-                loss,
-                dtype: t.dtype(),
-                elements: t.elem_count() as u64,
-                scale,
-                main,
-                pre,
-            });
+            let many = {
+                let mut g = self.lock();
+                g.pending.push(Pending {
+                    name,
+                    kind,
+                    loss,
+                    dtype: t.dtype(),
+                    elements: t.elem_count() as u64,
+                    scale,
+                    main,
+                    pre,
+                });
+                g.pending.len() > MAX_PENDING
+            };
+            // Forwards without a backward (evaluation while a step is recorded) would keep
+            // their statistics waiting: read them in one transfer once there are many.
+            if many {
+                self.flush();
+            }
             return;
         }
         let (stats, hist) = match stats::compute(t, scale, grad) {
@@ -233,8 +245,8 @@ impl Recorder {
     }
 
     /// Reads every pending record's statistics in one host transfer (counted in the run's
-    /// host syncs) and folds them in, in record order.
-    fn flush(&self) {
+    /// host syncs) and folds them in, in record order. Nothing to read: no transfer.
+    pub(crate) fn flush(&self) {
         let pending = std::mem::take(&mut self.lock().pending);
         if pending.is_empty() {
             return;

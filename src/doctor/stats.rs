@@ -3,8 +3,10 @@
 //!
 //! On the CPU one pass over the tensor's contiguous f32, f16 or bf16 values (a
 //! non-contiguous tensor is copied to a contiguous one first) computes every field, in f32
-//! for the values and f64 for the sums. On other devices the same fields are computed with
-//! candle ops on the tensor's device and only the scalars come back.
+//! for the values and f64 for the sums. On other devices (and on the run's device path) the
+//! same fields, the binade histogram included, are computed with candle ops on the tensor's
+//! device into one vector ([`device_vector`]); the recorder reads all of a step's vectors in
+//! one transfer.
 
 use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
