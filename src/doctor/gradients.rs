@@ -101,15 +101,21 @@ pub(crate) fn zero_gradient_rule(
         if seen && a.pre_round_amax == 0.0 && !flushes {
             continue;
         }
-        let floor = a
-            .binades
-            .as_deref()
-            .filter(|_| seen)
-            .and_then(|h| {
-                (-24..=24)
-                    .map(|e| 2f64.powi(e))
-                    .find(|s| fraction_below(h, a.binade_elements, *s, normal_exp) <= cfg.threshold)
+        // The smallest power of two at which its largest value before rounding reaches the
+        // half type's smallest normal and at most `threshold` of it lies below (the
+        // histogram does not resolve f32's subnormals, where bf16's gradients can lie).
+        let floor = (seen && a.pre_round_amax > 0.0)
+            .then(|| {
+                let normal = 2f64.powi(normal_exp);
+                let by_amax = 2f64.powi((normal / a.pre_round_amax).log2().ceil().max(-24.0) as i32);
+                let by_share = a.binades.as_deref().and_then(|h| {
+                    (-24..=24)
+                        .map(|e| 2f64.powi(e))
+                        .find(|s| fraction_below(h, a.binade_elements, *s, normal_exp) <= cfg.threshold)
+                });
+                by_share.map(|s| s.max(by_amax)).unwrap_or(by_amax)
             })
+            .filter(|s| *s <= 2f64.powi(24))
             .map(|s| s as f32);
         let min = floor.unwrap_or(props.min_loss_scale).min(ceiling);
         let evidence = if seen && a.pre_round_amax > 0.0 {

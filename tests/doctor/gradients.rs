@@ -226,3 +226,66 @@ fn with_two_losses_only_the_overflowing_loss_scaler_is_named_and_retuned() {
     assert!(scale_recs[0].2 < 65536.0);
     assert_eq!(two_loss_steps(&amp2, &models2, &mut opts2, 10), [0, 0]);
 }
+
+/// A bf16 layer large enough for the tier's bf16 product (more than 4096 multiply-adds)
+/// whose inputs are bf16 subnormals (1e-39).
+struct Wide {
+    fc: ann::Linear,
+}
+
+impl Module for Wide {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.fc.forward(x)
+    }
+}
+
+#[test]
+fn a_bf16_gradient_lost_to_a_flushing_product_is_named_on_that_tier() {
+    let (model, mut opt, amp) = amp::initialize(
+        |vb| {
+            Ok(Wide {
+                fc: ann::linear_no_bias(64, 64, vb.pp("fc"))?,
+            })
+        },
+        amp::optim::Sgd::new(amp::optim::SgdConfig::new(0.1)).unwrap(),
+        AmpConfig::new(OptLevel::O3).half(HalfType::Bf16).verbosity(0).seed(2),
+    )
+    .unwrap();
+    let doc = Doctor::attach(
+        &amp,
+        DoctorConfig {
+            every: 1,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let x = Tensor::full(1e-39f32, (2, 64), &Device::Cpu).unwrap();
+    let y = model.forward(&x).unwrap();
+    let loss = (y.to_dtype(DType::F32).unwrap().sum_all().unwrap() * 1e-4).unwrap();
+    amp.scale_loss(&loss, &mut opt).unwrap().backward().unwrap();
+    // The true gradient, 2 * 1e-4 * 1e-39, is below bf16's smallest subnormal: 0 in bf16.
+    let g = opt.master_grads()["fc.weight"]
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    assert!(g.iter().all(|v| *v == 0.0));
+    let report = doc.report();
+    let r = report
+        .recommendations
+        .iter()
+        .find(|r| r.target == "fc.weight" && r.problem == Problem::GradientUnderflow)
+        .unwrap_or_else(|| panic!("{report}"));
+    // AMX and AVX-512 BF16 products treat the subnormal inputs as 0 (the f32 accumulation
+    // is 0 too, which proves nothing there); other tiers keep them, and the f32 value shows.
+    let flushes = candle_amp::kernels::isa() >= candle_amp::kernels::Isa::Avx512Bf16;
+    if flushes {
+        assert!(r.reason.contains("flush") && r.reason.contains("1.18e-38"), "{r}");
+    } else {
+        // 2^16 brings 2.02e-43 (f32's rounding of 2 * 1e-4 * 1e-39 in bf16) to 2^-126.
+        assert!(
+            r.reason.contains("reached 2.02e-43") && r.reason.contains("at least 65536"),
+            "{r}"
+        );
+    }
+}
