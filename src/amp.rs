@@ -421,7 +421,8 @@ impl Amp {
     /// optimizer step (the step's overflow flags), plus one for each
     /// [`AmpOptimizer::clip_grad_norm`] (its returned norm), [`AmpOptimizer::found_inf`]
     /// before the step, a step reducer's output check, and a backward under a
-    /// [`crate::GradReducer`] (which needs the flag at once). The CPU path reads nothing
+    /// [`crate::GradReducer`] (which needs the flag at once), and one per step an attached
+    /// [`crate::doctor::Doctor`] observes (all its statistics together). The CPU path reads nothing
     /// from a device, so it counts 0.
     ///
     /// Under [`crate::distributed::DataParallel`] a step adds one read (the reduced layout,

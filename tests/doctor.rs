@@ -585,3 +585,10 @@ fn the_fallback_switches_back_when_the_outputs_fit_again() {
         .collect();
     assert_eq!(layers, expect);
 }
+
+// ------------------------------------------------------------------ more
+
+#[path = "doctor/device.rs"]
+mod device;
+#[path = "doctor/gradients.rs"]
+mod gradients;

@@ -9,8 +9,8 @@ use serde::{Deserialize, Serialize};
 
 use super::DoctorConfig;
 use super::fallback::is_layer;
+pub(crate) use super::gradients::Scaler;
 use super::recorder::{Aggregate, State};
-use super::stats::{F16_MAX, fraction_below};
 use crate::precision::opt_level::Properties;
 use crate::precision::recording::TensorKind;
 
@@ -149,12 +149,12 @@ impl fmt::Display for Recommendation {
     }
 }
 
-fn pct(x: f64) -> String {
+pub(crate) fn pct(x: f64) -> String {
     format!("{:.1}%", x * 100.0)
 }
 
 /// The largest power of two `<= x`, within `[2^-24, 2^24]`.
-fn pow2_floor(x: f64) -> f32 {
+pub(crate) fn pow2_floor(x: f64) -> f32 {
     2f64.powi(x.log2().floor().clamp(-24.0, 24.0) as i32) as f32
 }
 
@@ -174,7 +174,7 @@ pub(crate) fn diagnose(
     props: &Properties,
     st: &State,
     f32_layers: &std::collections::BTreeMap<String, String>,
-    current_scale: f32,
+    scalers: &[Scaler],
 ) -> Vec<Recommendation> {
     let half = props.half.dtype();
     let f16 = half == DType::F16;
@@ -186,7 +186,7 @@ pub(crate) fn diagnose(
         .tensors
         .iter()
         .filter(|(_, a)| a.kind == TensorKind::Activation)
-        .map(|((n, _), a)| (n, a))
+        .map(|((n, _, _), a)| (n, a))
         .collect();
     acts.sort_by_key(|(_, a)| a.order);
     for (name, a) in acts {
@@ -266,7 +266,7 @@ pub(crate) fn diagnose(
             .tensors
             .iter()
             .filter(|(_, a)| a.kind == TensorKind::Weight && a.dtype == half)
-            .map(|((n, _), a)| (n, underflow(a, half)))
+            .map(|((n, _, _), a)| (n, underflow(a, half)))
             .filter(|(_, u)| *u > cfg.threshold)
             .collect();
         if let Some((worst, u)) = tiny.iter().max_by(|a, b| a.1.total_cmp(&b.1)) {
@@ -285,163 +285,46 @@ pub(crate) fn diagnose(
             });
         }
     }
-    if f16 {
-        gradient_rules(cfg, props, st, current_scale, what_if, &mut recs);
-        if !half_trouble.is_empty() {
-            let bf16_ok = half_trouble.iter().all(|n| {
-                st.tensors
-                    .get(&(n.clone(), TensorKind::Activation))
-                    .is_some_and(|a| a.sum_underbf / (a.observations.max(1) as f64) <= cfg.threshold)
+    // Each loss scaler from its own backwards' gradients and flags.
+    let losses: std::collections::BTreeSet<usize> = st
+        .tensors
+        .values()
+        .filter(|a| matches!(a.kind, TensorKind::MasterGrad | TensorKind::Grad))
+        .map(|a| a.loss)
+        .chain(st.overflowed_params.keys().map(|(l, _)| *l))
+        .collect();
+    for loss in losses {
+        let scaler = scalers.get(loss).copied().unwrap_or(Scaler {
+            scale: 1.0,
+            dynamic: false,
+        });
+        if !what_if {
+            super::gradients::zero_gradient_rule(cfg, props, st, loss, scaler, &mut recs);
+        }
+        if f16 {
+            super::gradients::loss_scale_rules(cfg, props, st, loss, scaler.scale, what_if, &mut recs);
+        }
+    }
+    if f16 && !half_trouble.is_empty() {
+        let bf16_ok = half_trouble.iter().all(|n| {
+            st.tensors
+                .get(&(n.clone(), TensorKind::Activation, 0))
+                .is_some_and(|a| a.sum_underbf / (a.observations.max(1) as f64) <= cfg.threshold)
+        });
+        if bf16_ok {
+            recs.push(Recommendation {
+                target: "half".into(),
+                action: Action::UseBf16,
+                reason: format!(
+                    "bf16 has f32's range: {} would fit it ({}); a new run with AmpConfig::half(HalfType::Bf16)",
+                    half_trouble.join(", "),
+                    "no overflow, underflow below the threshold"
+                ),
+                problem: Problem::Range,
+                severity: Severity::Info,
             });
-            if bf16_ok {
-                recs.push(Recommendation {
-                    target: "half".into(),
-                    action: Action::UseBf16,
-                    reason: format!(
-                        "bf16 has f32's range: {} would fit it ({}); a new run with AmpConfig::half(HalfType::Bf16)",
-                        half_trouble.join(", "),
-                        "no overflow, underflow below the threshold"
-                    ),
-                    problem: Problem::Range,
-                    severity: Severity::Info,
-                });
-            }
         }
     }
     recs.sort_by_key(|r| std::cmp::Reverse(r.severity));
     recs
-}
-
-/// The loss-scale rules: a ceiling from the largest unscaled gradient (with `margin`
-/// binades of headroom below 65504, as Transformer Engine's recipe keeps), a floor from the
-/// gradients' binade histograms (the smallest power of two at which at most `threshold` of
-/// every parameter's gradient underflows f16), the parameters that overflowed, and f16's
-/// lack of headroom when the floor exceeds the ceiling.
-fn gradient_rules(
-    cfg: &DoctorConfig,
-    props: &Properties,
-    st: &State,
-    current_scale: f32,
-    what_if: bool,
-    recs: &mut Vec<Recommendation>,
-) {
-    let grads: Vec<(&String, &Aggregate)> = st
-        .tensors
-        .iter()
-        .filter(|(_, a)| matches!(a.kind, TensorKind::MasterGrad | TensorKind::Grad))
-        .map(|((n, _), a)| (n, a))
-        .collect();
-    if grads.is_empty() {
-        return;
-    }
-    let amax = grads.iter().map(|(_, a)| a.amax_unscaled).fold(0.0, f64::max);
-    let headroom = F16_MAX / 2f64.powi(cfg.margin as i32);
-    let overflowed: Vec<(&String, &u64)> = st.overflowed_params.iter().collect();
-    // The smallest scale seen overflowing bounds the ceiling when no finite gradient was seen.
-    let ceiling = if amax > 0.0 {
-        pow2_floor(headroom / amax)
-    } else if !overflowed.is_empty() {
-        pow2_floor(current_scale as f64 / 2f64.powi(cfg.margin as i32 + 1))
-    } else {
-        return;
-    };
-    let masters: Vec<(&String, &Aggregate)> = grads
-        .iter()
-        .copied()
-        .filter(|(_, a)| a.kind == TensorKind::MasterGrad && a.binades.is_some())
-        .collect();
-    // All gradient elements together (a parameter whose gradient is ~0 by symmetry, such as
-    // attention's key bias, must not decide the scale for the rest).
-    let mut total = vec![0u64; super::stats::BINADES];
-    let mut elements = 0u64;
-    for (_, a) in &masters {
-        for (t, c) in total.iter_mut().zip(a.binades.as_deref().unwrap_or(&[])) {
-            *t += c;
-        }
-        elements += a.binade_elements;
-    }
-    let all_below = |s: f64| fraction_below(&total, elements, s, -14);
-    // The parameter losing the most of its gradient at a scale (for the reason's text).
-    let worst_at = |s: f64| -> (String, f64) {
-        masters
-            .iter()
-            .map(|(n, a)| {
-                (
-                    (*n).clone(),
-                    fraction_below(a.binades.as_deref().unwrap_or(&[]), a.binade_elements, s, -14),
-                )
-            })
-            .max_by(|x, y| x.1.total_cmp(&y.1))
-            .unwrap_or_default()
-    };
-    let floor = (!masters.is_empty())
-        .then(|| {
-            (-24..=24)
-                .map(|e| 2f64.powi(e))
-                .find(|s| all_below(*s) <= cfg.threshold)
-                .map(|s| s as f32)
-        })
-        .flatten();
-    let dynamic_min = props.min_loss_scale;
-    if !overflowed.is_empty() {
-        let min = floor.map_or(dynamic_min, |f| f.min(ceiling)).min(ceiling);
-        for (p, times) in overflowed {
-            let own = st
-                .tensors
-                .get(&(p.clone(), TensorKind::MasterGrad))
-                .map(|a| a.amax_unscaled)
-                .filter(|v| *v > 0.0)
-                .unwrap_or(amax);
-            recs.push(Recommendation {
-                target: p.clone(),
-                action: Action::LossScale {
-                    loss_id: 0,
-                    init: ceiling,
-                    min,
-                    max: ceiling,
-                },
-                reason: format!(
-                    "its raw gradient was inf/NaN with a finite forward in {times} observed step(s) (skipped); its unscaled gradient reaches {own:.3e}, so scales up to {ceiling} keep every gradient below 65504/2^{}",
-                    cfg.margin
-                ),
-                problem: Problem::GradientOverflow,
-                severity: Severity::Error,
-            });
-        }
-        return;
-    }
-    match floor {
-        Some(f) if f > ceiling => recs.push(Recommendation {
-            target: "half".into(),
-            action: Action::UseBf16,
-            reason: format!(
-                "no f16 loss scale fits the gradients: at most {} of them underflowing needs a scale of at least {f}, the largest gradient ({amax:.3e}) allows at most {ceiling}",
-                pct(cfg.threshold)
-            ),
-            problem: Problem::Range,
-            severity: if what_if { Severity::Info } else { Severity::Warning },
-        }),
-        Some(f) if (current_scale as f64) < f as f64 => {
-            let u = all_below(current_scale as f64);
-            let (worst, wu) = worst_at(current_scale as f64);
-            recs.push(Recommendation {
-                target: "loss_scale".into(),
-                action: Action::LossScale {
-                    loss_id: 0,
-                    init: ceiling,
-                    min: f,
-                    max: ceiling,
-                },
-                reason: format!(
-                    "at scale {current_scale} {} of the gradients underflow f16 ({} of `{worst}`'s); from {f} on at most {} do, and up to {ceiling} none overflows",
-                    pct(u),
-                    pct(wu),
-                    pct(cfg.threshold)
-                ),
-                problem: Problem::GradientUnderflow,
-                severity: if what_if { Severity::Info } else { Severity::Warning },
-            });
-        }
-        _ => {}
-    }
 }

@@ -17,7 +17,7 @@ pub(crate) fn is_layer(name: &str) -> bool {
 pub(crate) fn decide(cfg: &DoctorConfig, st: &mut RecState) -> Vec<(String, bool)> {
     let mut out = Vec::new();
     let step = st.step;
-    for ((name, _), a) in st.tensors.iter_mut() {
+    for ((name, _, _), a) in st.tensors.iter_mut() {
         if a.kind != TensorKind::Activation || !is_layer(name) || a.window.len() < cfg.window {
             continue;
         }
@@ -56,7 +56,7 @@ pub(crate) fn decide(cfg: &DoctorConfig, st: &mut RecState) -> Vec<(String, bool
     }
     let mut switches = Vec::new();
     for (name, to_f32, reason) in out {
-        if let Some(a) = st.tensors.get_mut(&(name.clone(), TensorKind::Activation)) {
+        if let Some(a) = st.tensors.get_mut(&(name.clone(), TensorKind::Activation, 0)) {
             // Observations before a switch are of the other type.
             a.window.clear();
         }

@@ -7,7 +7,12 @@
 //! `candle_amp::ops` op's output outside those layers (`matmul#2`: op and call index in the
 //! step), the loss, and per trained parameter its working value, its raw (still scaled)
 //! gradient and its f32 master gradient (whose half-type limits are compared at the loss
-//! scale). [`Doctor::report`] folds that into a [`DoctorReport`] with
+//! scale). A gradient one of the library's products made is also measured in f32 before
+//! its rounding to half (`kernels::capture`), so one that rounds to an exact 0 counts as
+//! underflow; gradients are kept per loss scaler, and each scaler is diagnosed from its own.
+//! On the device path the statistics stay on the device until the end of the backward and
+//! are read in one transfer per observed step (counted in [`Amp::host_syncs`]).
+//! [`Doctor::report`] folds that into a [`DoctorReport`] with
 //! [`Recommendation`]s; [`Doctor::apply`] carries them out in a live run where that is
 //! possible (layers kept in f32, O1 op registrations, the loss scaler's range) and lists
 //! what needs a new run (bf16, f32 master weights). With `auto_fallback` at O1, a layer whose
@@ -50,6 +55,7 @@
 
 mod diagnose;
 mod fallback;
+mod gradients;
 mod recorder;
 mod report;
 mod stats;
@@ -94,6 +100,14 @@ pub struct DoctorConfig {
     pub margin: u32,
     /// Points of the loss-scale history kept (1024; thinned beyond).
     pub history: usize,
+    /// Fraction of exact zeros (on average over the observations) at or above which a
+    /// parameter's gradient under a static loss scale counts as vanished (1: entirely zero).
+    #[serde(default = "default_zero_gradient")]
+    pub zero_gradient: f64,
+}
+
+fn default_zero_gradient() -> f64 {
+    1.0
 }
 
 impl Default for DoctorConfig {
@@ -107,6 +121,7 @@ impl Default for DoctorConfig {
             auto_fallback: false,
             margin: 1,
             history: 1024,
+            zero_gradient: default_zero_gradient(),
         }
     }
 }
@@ -126,6 +141,7 @@ impl DoctorConfig {
             ("threshold", self.threshold),
             ("overflow_threshold", self.overflow_threshold),
             ("switch_back", self.switch_back),
+            ("zero_gradient", self.zero_gradient),
         ] {
             if !(0.0..=1.0).contains(&v) {
                 return bad(name, "a fraction in [0, 1]");
@@ -215,6 +231,7 @@ impl Doctor {
             config,
             run.props.half.dtype(),
             run.props.patch_functions,
+            run.device_path(),
             Arc::downgrade(&run),
             fallback::decide,
         ));
@@ -238,18 +255,29 @@ impl Doctor {
         &self.recorder.cfg
     }
 
-    /// What the doctor saw so far and recommends.
+    /// What the doctor saw so far and recommends. On the device path, records of a step
+    /// still in progress (a forward whose backward has not ended) are read first, in one
+    /// transfer.
     pub fn report(&self) -> DoctorReport {
+        self.recorder.flush();
         let props = &self.run.props;
         let f32_layers = self.run.casts.f32_layers();
-        let scale = self.run.loss_scale(0).unwrap_or(1.0);
+        let scalers: Vec<diagnose::Scaler> = self
+            .run
+            .scalers_mut()
+            .iter()
+            .map(|s| diagnose::Scaler {
+                scale: s.state.scale.scale(),
+                dynamic: s.state.scale.is_dynamic(),
+            })
+            .collect();
         let st = self.recorder.lock();
-        let recommendations = diagnose::diagnose(&self.recorder.cfg, props, &st, &f32_layers, scale);
+        let recommendations = diagnose::diagnose(&self.recorder.cfg, props, &st, &f32_layers, &scalers);
         let bf16 = props.half == crate::HalfType::Bf16;
         let mut tensors: Vec<(u64, TensorReport)> = st
             .tensors
             .iter()
-            .map(|((n, _), a)| (a.order, TensorReport::summary(n, a)))
+            .map(|((n, _, _), a)| (a.order, TensorReport::summary(n, a)))
             .collect();
         tensors.sort_by(|(oa, a), (ob, b)| b.badness(bf16).total_cmp(&a.badness(bf16)).then(oa.cmp(ob)));
         let tensors = tensors.into_iter().map(|(_, t)| t).collect();

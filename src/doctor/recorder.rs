@@ -10,9 +10,12 @@ use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
 use super::DoctorConfig;
-use super::stats::{self, BINADES};
-use crate::precision::recording::{BackwardInfo, Observer, TensorKind};
+use super::stats::{self, BINADES, Measured, TensorStats};
+use crate::precision::recording::{BackwardInfo, LossOf, Observer, TensorKind};
 use crate::train::run::RunState;
+
+/// The most records waiting on the device path before they are read anyway.
+const MAX_PENDING: usize = 4096;
 
 /// The most switch events kept (the oldest go first).
 pub(crate) const MAX_EVENTS: usize = 256;
@@ -55,6 +58,8 @@ pub(crate) struct Sample {
 #[derive(Debug, Clone)]
 pub(crate) struct Aggregate {
     pub kind: TensorKind,
+    /// Whose gradients (gradients only; 0 otherwise, and for an outside `GradScaler`'s).
+    pub loss: usize,
     /// When it was first recorded (forward order within a step).
     pub order: u64,
     pub dtype: DType,
@@ -81,8 +86,37 @@ pub(crate) struct Aggregate {
     pub binades: Option<Vec<u64>>,
     /// Elements counted in `binades`.
     pub binade_elements: u64,
+    /// Observations with the gradient's f32 value before rounding (gradients the library's
+    /// products made), and its largest magnitude there (raw: at the loss scale).
+    pub pre_round_observations: u64,
+    pub pre_round_amax: f64,
     /// The last `window` observations.
     pub window: VecDeque<Sample>,
+}
+
+/// An aggregate's key: name, kind, loss scaler (gradients; 0 for the rest).
+pub(crate) type Key = (String, TensorKind, usize);
+
+/// One record whose statistics are on the device, not read yet.
+#[derive(Debug)]
+pub(crate) struct Pending {
+    name: String,
+    kind: TensorKind,
+    loss: usize,
+    dtype: DType,
+    elements: u64,
+    scale: f32,
+    main: Measured,
+    /// The f32 value before rounding (gradients), at the same multiplier.
+    pre: Option<(Measured, u64)>,
+}
+
+/// One record's statistics, as [`Recorder::fold`] takes them.
+struct Observed {
+    stats: TensorStats,
+    hist: Option<Vec<u64>>,
+    /// The statistics of the f32 value before rounding (gradients), and its histogram.
+    pre: Option<(TensorStats, Option<Vec<u64>>)>,
 }
 
 /// What the recorder knows.
@@ -93,7 +127,18 @@ pub(crate) struct State {
     pub observed: u64,
     pub next_order: u64,
     pub op_calls: HashMap<String, u32>,
-    pub tensors: BTreeMap<(String, TensorKind), Aggregate>,
+    /// By (name, kind, loss): gradients per loss scaler (see [`Aggregate::loss`]).
+    pub tensors: BTreeMap<Key, Aggregate>,
+    /// This backward's loss scaler.
+    pub loss: usize,
+    /// This backward's gradients in f32 before rounding, by parameter (from the raw
+    /// gradient's record to the master gradient's).
+    pub pre_round: HashMap<String, Tensor>,
+    /// This backward's parameters whose raw gradient was not finite.
+    pub raw_nonfinite: BTreeSet<String>,
+    /// The device path: statistics computed on the device, read together at the end of the
+    /// backward (one host transfer per observed step).
+    pub pending: Vec<Pending>,
     /// This step: whether a forward tensor (or the loss) was not finite.
     pub forward_bad: bool,
     /// This step: whether a gradient was non-finite (root found).
@@ -101,9 +146,9 @@ pub(crate) struct State {
     /// Loss scale after each backward, thinned to stay bounded: (step, scale, skipped).
     pub scales: Vec<(u64, f32, bool)>,
     pub scale_stride: u64,
-    /// Steps whose gradients were non-finite with a finite forward, and the parameters
-    /// named, per parameter: how many times.
-    pub overflowed_params: BTreeMap<String, u64>,
+    /// Parameters whose raw gradient was non-finite with a finite forward, by (loss,
+    /// parameter): in how many observed backwards.
+    pub overflowed_params: BTreeMap<(usize, String), u64>,
     pub skipped_steps: u64,
     pub fallback: FallbackState,
 }
@@ -113,6 +158,9 @@ pub(crate) struct Recorder {
     pub cfg: DoctorConfig,
     pub half: DType,
     pub autocasts: bool,
+    /// The run takes the device path: statistics stay on the device until the end of the
+    /// backward.
+    device_path: bool,
     recording: AtomicBool,
     state: Mutex<State>,
     /// The run, for the automatic fallback's switches (weak: the run holds the recorder).
@@ -122,11 +170,19 @@ pub(crate) struct Recorder {
 }
 
 impl Recorder {
-    pub(crate) fn new(cfg: DoctorConfig, half: DType, autocasts: bool, run: Weak<RunState>, decide: Decide) -> Self {
+    pub(crate) fn new(
+        cfg: DoctorConfig,
+        half: DType,
+        autocasts: bool,
+        device_path: bool,
+        run: Weak<RunState>,
+        decide: Decide,
+    ) -> Self {
         Self {
             cfg,
             half,
             autocasts,
+            device_path,
             recording: AtomicBool::new(true),
             state: Mutex::new(State {
                 scale_stride: 1,
@@ -141,16 +197,133 @@ impl Recorder {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn fold(&self, name: String, kind: TensorKind, t: &Tensor, scale: f32) {
+    /// Measures `t` (and `pre`, its f32 value before rounding) and folds it in: at once on
+    /// the CPU path, at the end of the backward on the device path.
+    fn record_tensor(&self, name: String, kind: TensorKind, t: &Tensor, scale: f32, pre: Option<&Tensor>) {
         let grad = matches!(kind, TensorKind::Grad | TensorKind::MasterGrad);
-        let s = match stats::compute(t, scale, grad) {
+        let loss = if grad { self.lock().loss } else { 0 };
+        if self.device_path {
+            let measure = |t: &Tensor| stats::check_scale(scale).and_then(|s| stats::device_vector(t, s, grad));
+            let main = match measure(t) {
+                Ok(m) => m,
+                Err(e) => {
+                    log::warn!("doctor: no statistics for {name}: {e}");
+                    return;
+                }
+            };
+            let pre = pre.and_then(|p| measure(p).ok().map(|m| (m, p.elem_count() as u64)));
+            let many = {
+                let mut g = self.lock();
+                g.pending.push(Pending {
+                    name,
+                    kind,
+                    loss,
+                    dtype: t.dtype(),
+                    elements: t.elem_count() as u64,
+                    scale,
+                    main,
+                    pre,
+                });
+                g.pending.len() > MAX_PENDING
+            };
+            // Forwards without a backward (evaluation while a step is recorded) would keep
+            // their statistics waiting: read them in one transfer once there are many.
+            if many {
+                self.flush();
+            }
+            return;
+        }
+        let (stats, hist) = match stats::compute(t, scale, grad) {
             Ok(s) => s,
             Err(e) => {
                 log::warn!("doctor: no statistics for {name}: {e}");
                 return;
             }
         };
-        let (st, hist) = s;
+        let pre = pre.and_then(|p| stats::compute(p, scale, grad).ok());
+        self.fold(name, kind, loss, t.dtype(), scale, Observed { stats, hist, pre });
+    }
+
+    /// Reads every pending record's statistics in one host transfer (counted in the run's
+    /// host syncs) and folds them in, in record order. Nothing to read: no transfer.
+    pub(crate) fn flush(&self) {
+        let pending = std::mem::take(&mut self.lock().pending);
+        if pending.is_empty() {
+            return;
+        }
+        let mut vectors = Vec::new();
+        for p in &pending {
+            for m in std::iter::once(&p.main).chain(p.pre.as_ref().map(|(m, _)| m)) {
+                if let Measured::Pending(v) = m {
+                    vectors.push(v.clone());
+                }
+            }
+        }
+        let values = if vectors.is_empty() {
+            Ok(Vec::new())
+        } else {
+            Tensor::cat(&vectors, 0)
+                .map_err(crate::AmpError::from)
+                .and_then(|v| stats::read_vector(&v))
+        };
+        let values = match values {
+            Ok(v) => v,
+            Err(e) => {
+                log::warn!("doctor: the step's statistics could not be read: {e}");
+                return;
+            }
+        };
+        if !vectors.is_empty()
+            && let Some(run) = self.run.upgrade()
+        {
+            run.count_host_sync();
+        }
+        let mut at = 0usize;
+        let grad_kind = |k: TensorKind| matches!(k, TensorKind::Grad | TensorKind::MasterGrad);
+        let mut take = |m: Measured, dtype: DType, n: u64, scale: f64, hist: bool| match m {
+            Measured::Known(s, h) => (s, h),
+            Measured::Pending(v) => {
+                let len = v.elem_count();
+                let r = stats::from_vector(&values[at..at + len], dtype, n, scale, hist);
+                at += len;
+                r
+            }
+        };
+        for p in pending {
+            let hist = grad_kind(p.kind);
+            let scale = p.scale as f64;
+            let (stats, h) = take(p.main, p.dtype, p.elements, scale, hist);
+            let pre = p.pre.map(|(m, n)| take(m, DType::F32, n, scale, hist));
+            self.fold(
+                p.name,
+                p.kind,
+                p.loss,
+                p.dtype,
+                p.scale,
+                Observed { stats, hist: h, pre },
+            );
+        }
+    }
+
+    fn fold(&self, name: String, kind: TensorKind, loss: usize, dtype: DType, scale: f32, o: Observed) {
+        let grad = matches!(kind, TensorKind::Grad | TensorKind::MasterGrad);
+        let Observed {
+            stats: mut st,
+            hist,
+            pre,
+        } = o;
+        // Underflow where the values still existed: in f32 before the rounding to half (a
+        // value that rounded to an exact 0 is no zero of the gradient, it underflowed).
+        let mut hist = hist;
+        let mut pre_amax = None;
+        if let Some((p, ph)) = pre {
+            st.underflow_f16 = p.underflow_f16;
+            st.underflow_bf16 = p.underflow_bf16;
+            pre_amax = Some(p.amax);
+            if kind == TensorKind::MasterGrad && st.nonfinite == 0 {
+                hist = ph;
+            }
+        }
         let mut g = self.lock();
         let state = &mut *g;
         let forward = matches!(kind, TensorKind::Activation | TensorKind::Loss);
@@ -162,13 +335,15 @@ impl Recorder {
             } else if grad && !state.forward_bad && kind == TensorKind::Grad {
                 root = true;
                 state.grad_bad = true;
+                state.raw_nonfinite.insert(name.clone());
             }
         }
         let order = state.next_order;
-        let agg = state.tensors.entry((name, kind)).or_insert_with(|| Aggregate {
+        let agg = state.tensors.entry((name, kind, loss)).or_insert_with(|| Aggregate {
             kind,
+            loss,
             order,
-            dtype: t.dtype(),
+            dtype,
             observations: 0,
             elements: 0,
             amax: 0.0,
@@ -186,13 +361,19 @@ impl Recorder {
             amax_unscaled: 0.0,
             binades: None,
             binade_elements: 0,
+            pre_round_observations: 0,
+            pre_round_amax: 0.0,
             window: VecDeque::new(),
         });
         if agg.order == order {
             state.next_order += 1;
         }
-        agg.dtype = t.dtype();
+        agg.dtype = dtype;
         agg.observations += 1;
+        if let Some(a) = pre_amax {
+            agg.pre_round_observations += 1;
+            agg.pre_round_amax = agg.pre_round_amax.max(a);
+        }
         agg.elements = st.elements;
         agg.amax = agg.amax.max(st.amax);
         if st.amin_nonzero > 0.0 {
@@ -257,7 +438,32 @@ impl Observer for Recorder {
         if !t.dtype().is_float() {
             return;
         }
-        self.fold(name.to_string(), kind, t, scale);
+        // A master gradient is measured before rounding as its raw gradient was, unscaled.
+        let pre = if kind == TensorKind::MasterGrad {
+            let p = self.lock().pre_round.remove(name);
+            p.and_then(|p| p.affine(1.0 / scale as f64, 0.0).ok())
+        } else {
+            None
+        };
+        self.record_tensor(name.to_string(), kind, t, scale, pre.as_ref());
+    }
+
+    fn begin_gradients(&self, loss: LossOf) {
+        let mut g = self.lock();
+        g.loss = loss.unwrap_or(0);
+        g.pre_round.clear();
+        g.raw_nonfinite.clear();
+    }
+
+    fn record_grad(&self, name: &str, raw: &Tensor, pre_round: Option<&Tensor>) {
+        if !raw.dtype().is_float() {
+            return;
+        }
+        let pre = pre_round.filter(|p| p.shape() == raw.shape());
+        if let Some(p) = pre {
+            self.lock().pre_round.insert(name.to_string(), p.clone());
+        }
+        self.record_tensor(name.to_string(), TensorKind::Grad, raw, 1.0, pre);
     }
 
     fn record_op(&self, op: &str, t: &Tensor) {
@@ -271,20 +477,29 @@ impl Observer for Recorder {
             *c += 1;
             name
         };
-        self.fold(name, TensorKind::Activation, t, 1.0);
+        self.record_tensor(name, TensorKind::Activation, t, 1.0, None);
     }
 
-    fn end_backward(&self, info: &BackwardInfo<'_>) {
+    fn end_backward(&self, info: &BackwardInfo) {
         let was_recording = self.recording();
+        if was_recording {
+            self.flush();
+        }
         let mut g = self.lock();
         let state = &mut *g;
         if was_recording {
             state.observed += 1;
-            if info.found_inf && !state.forward_bad {
-                for p in info.nonfinite.iter().filter(|p| p.as_str() != "<loss>") {
-                    *state.overflowed_params.entry(p.clone()).or_insert(0) += 1;
+            // The parameters whose own raw gradient was not finite, with a finite forward,
+            // for this backward's loss scaler (an accumulated sum that overflowed with
+            // another loss's gradient is not this loss's).
+            if !state.forward_bad {
+                let loss = state.loss;
+                for p in std::mem::take(&mut state.raw_nonfinite) {
+                    *state.overflowed_params.entry((loss, p)).or_insert(0) += 1;
                 }
             }
+            state.raw_nonfinite.clear();
+            state.pre_round.clear();
             state.op_calls.clear();
         }
         state.skipped_steps += info.found_inf as u64;

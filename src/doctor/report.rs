@@ -17,6 +17,9 @@ pub struct TensorReport {
     pub name: String,
     /// What it is.
     pub kind: TensorKind,
+    /// Gradients: the loss scaler whose backwards made them (0 for other tensors).
+    #[serde(default)]
+    pub loss_id: usize,
     /// The type it ran in (at its last observation).
     pub dtype: String,
     /// Observed steps in which it was recorded.
@@ -58,6 +61,7 @@ impl TensorReport {
         TensorReport {
             name: name.to_string(),
             kind: a.kind,
+            loss_id: a.loss,
             dtype: a.dtype.as_str().to_string(),
             observations: a.observations,
             elements: a.elements,
@@ -171,10 +175,15 @@ impl fmt::Display for DoctorReport {
             "range"
         )?;
         for t in &self.tensors {
-            let name = if t.name.len() > 28 {
-                &t.name[t.name.len() - 28..]
+            // Another loss's gradients carry its id.
+            let full = if t.loss_id > 0 {
+                format!("{}@loss{}", t.name, t.loss_id)
             } else {
-                &t.name
+                t.name.clone()
+            };
+            let name = match full.char_indices().rev().nth(27) {
+                Some((i, _)) => &full[i..],
+                None => &full,
             };
             writeln!(
                 f,

@@ -3,8 +3,10 @@
 //!
 //! On the CPU one pass over the tensor's contiguous f32, f16 or bf16 values (a
 //! non-contiguous tensor is copied to a contiguous one first) computes every field, in f32
-//! for the values and f64 for the sums. On other devices the same fields are computed with
-//! candle ops on the tensor's device and only the scalars come back.
+//! for the values and f64 for the sums. On other devices (and on the run's device path) the
+//! same fields, the binade histogram included, are computed with candle ops on the tensor's
+//! device into one vector ([`device_vector`]); the recorder reads all of a step's vectors in
+//! one transfer.
 
 use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
@@ -152,7 +154,7 @@ impl Acc {
     }
 }
 
-fn check_scale(scale: f32) -> Result<f64> {
+pub(crate) fn check_scale(scale: f32) -> Result<f64> {
     if !(scale.is_finite() && scale > 0.0) {
         return Err(crate::error::AmpError::InvalidArgument {
             argument: "scale",
@@ -244,12 +246,69 @@ pub(crate) fn compute(t: &Tensor, scale: f32, binades: bool) -> Result<(TensorSt
 }
 
 /// The same fields with candle ops on the tensor's own device (devices other than the CPU,
-/// and types the CPU pass does not read, such as f64, which is taken through f32).
+/// and types the CPU pass does not read, such as f64, which is taken through f32), read in
+/// one host transfer.
 pub(crate) fn on_device(t: &Tensor, scale: f64, binades: bool) -> Result<(TensorStats, Option<Vec<u64>>)> {
+    match device_vector(t, scale, binades)? {
+        Measured::Known(s, h) => Ok((s, h)),
+        Measured::Pending(v) => {
+            let values = read_vector(&v)?;
+            Ok(from_vector(&values, t.dtype(), t.elem_count() as u64, scale, binades))
+        }
+    }
+}
+
+/// Statistics computed on the host, or on the device and not read yet.
+#[derive(Debug)]
+pub(crate) enum Measured {
+    /// Known (an empty tensor needs no device work).
+    Known(TensorStats, Option<Vec<u64>>),
+    /// [`VECTOR_LEN`] values (with the histogram's [`BINADES`] after them when asked for)
+    /// in the device's widest float type, for [`from_vector`].
+    Pending(Tensor),
+}
+
+/// Scalars of a statistics vector before the histogram: nan, inf, zeros, sum, amax, amin,
+/// under16, underbf, over16.
+pub(crate) const VECTOR_LEN: usize = 9;
+
+/// The widest float type of a device (Metal has no f64).
+fn acc_dtype(dev: &Device) -> DType {
+    if matches!(dev, Device::Metal(_)) {
+        DType::F32
+    } else {
+        DType::F64
+    }
+}
+
+/// Reads a statistics vector (or several concatenated) in one host transfer.
+pub(crate) fn read_vector(v: &Tensor) -> Result<Vec<f64>> {
+    Ok(match v.dtype() {
+        DType::F64 => v.to_vec1::<f64>()?,
+        _ => v
+            .to_dtype(DType::F32)?
+            .to_vec1::<f32>()?
+            .into_iter()
+            .map(f64::from)
+            .collect(),
+    })
+}
+
+/// The statistics of `t` as one vector on its device, nothing read: every field with
+/// tensor ops, the binade histogram too (each magnitude's binade from `log2`, corrected
+/// against exact powers of two, counted with `index_add`).
+pub(crate) fn device_vector(t: &Tensor, scale: f64, binades: bool) -> Result<Measured> {
     let dtype = t.dtype();
+    let n = t.elem_count();
+    if n == 0 {
+        let acc = Acc::new(binades);
+        let (s, h) = acc.finish(dtype, scale);
+        return Ok(Measured::Known(s, h));
+    }
+    let dev = t.device();
+    let acc_dt = acc_dtype(dev);
     let a = t.flatten_all()?.to_dtype(DType::F32)?.abs()?;
-    let n = a.elem_count() as u64;
-    let count = |m: &Tensor| -> Result<u64> { Ok(m.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()? as u64) };
+    let count = |m: &Tensor| -> Result<Tensor> { Ok(m.to_dtype(acc_dt)?.sum_all()?) };
     let nan = count(&a.ne(&a)?)?;
     let inf = count(&a.eq(f32::INFINITY)?)?;
     let finite = a.le(f32::MAX)?;
@@ -257,57 +316,81 @@ pub(crate) fn on_device(t: &Tensor, scale: f64, binades: bool) -> Result<(Tensor
     let zeros = count(&zero)?;
     let zeros_t = a.zeros_like()?;
     let fin_a = finite.where_cond(&a, &zeros_t)?;
-    // The sum in f64 where the device has it (Metal has not).
-    let sum = if matches!(t.device(), Device::Metal(_)) {
-        fin_a.sum_all()?.to_scalar::<f32>()? as f64
-    } else {
-        fin_a.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?
-    };
-    let amax = if n > 0 {
-        fin_a.max_all()?.to_scalar::<f32>()?
-    } else {
-        0.0
-    };
+    let sum = fin_a.to_dtype(acc_dt)?.sum_all()?;
+    let amax = fin_a.max_all()?.to_dtype(acc_dt)?;
     let nz = finite.mul(&zero.eq(0u8)?)?;
     let inf_t = (a.ones_like()? * f64::INFINITY)?;
-    let amin = if n > 0 {
-        nz.where_cond(&a, &inf_t)?.min_all()?.to_scalar::<f32>()?
-    } else {
-        f32::INFINITY
-    };
-    let d = a.to_dtype(DType::F64)?;
-    let below = |thr: f64| -> Result<u64> { count(&d.lt(thr)?.mul(&nz)?) };
+    let amin = nz.where_cond(&a, &inf_t)?.min_all()?.to_dtype(acc_dt)?;
+    let d = a.to_dtype(acc_dt)?;
+    let below = |thr: f64| -> Result<Tensor> { count(&d.lt(thr)?.mul(&nz)?) };
     let under16 = below(F16_MIN_NORMAL / scale)?;
     let underbf = below(BF16_MIN_NORMAL / scale)?;
     let over16 = count(&d.gt(F16_MAX / scale)?.mul(&finite)?)?;
-    let hist = if binades {
-        // Exponents from the values brought to the CPU: only the histogram needs them.
-        let v = a.to_device(&Device::Cpu)?.to_vec1::<f32>()?;
-        let mut h = vec![0u64; BINADES];
-        for x in v {
-            if x.is_finite() && x != 0.0 {
-                h[((x.to_bits() >> 23) & 0xff) as usize] += 1;
-            }
-        }
-        Some(h)
+    let scalars = Tensor::stack(&[nan, inf, zeros, sum, amax, amin, under16, underbf, over16], 0)?;
+    let v = if binades {
+        Tensor::cat(&[scalars, histogram(&a, &nz, acc_dt)?], 0)?
     } else {
-        None
+        scalars
     };
+    Ok(Measured::Pending(v))
+}
+
+/// The binade histogram of the magnitudes `a` (f32) where `nz` (nonzero finite) holds, on
+/// their device: [`BINADES`] counts in `acc_dt`.
+fn histogram(a: &Tensor, nz: &Tensor, acc_dt: DType) -> Result<Tensor> {
+    let dev = a.device();
+    // pow[b] = 2^(b-127), the lower edge of biased exponent b (0 for the subnormals' bin;
+    // pow[255] = 2^128 is inf in f32, above every finite value).
+    let pow: Vec<f32> = (0..=BINADES as i32)
+        .map(|b| if b == 0 { 0.0 } else { 2f32.powi(b - 127) })
+        .collect();
+    let pow = Tensor::new(pow.as_slice(), dev)?;
+    let last = (BINADES - 1) as f64;
+    // floor(log2 a) + 127 may be one off at the edges: compare with the exact powers.
+    let est = (a.log()? * std::f64::consts::LOG2_E)?
+        .floor()?
+        .affine(1.0, 127.0)?
+        .clamp(0.0, last)?;
+    let est = nz.where_cond(&est, &a.zeros_like()?)?;
+    let lo = pow.index_select(&est.to_dtype(DType::U32)?, 0)?;
+    let hi = pow.index_select(&est.affine(1.0, 1.0)?.to_dtype(DType::U32)?, 0)?;
+    let b = ((est + a.ge(&hi)?.to_dtype(DType::F32)?)? - a.lt(&lo)?.to_dtype(DType::F32)?)?.clamp(0.0, last)?;
+    // Zeros and non-finite values go to a bin past the end, dropped.
+    let spill = (a.ones_like()? * BINADES as f64)?;
+    let b = nz.where_cond(&b, &spill)?.to_dtype(DType::U32)?;
+    let ones = Tensor::ones(a.elem_count(), acc_dt, dev)?;
+    let counts = Tensor::zeros(BINADES + 1, acc_dt, dev)?.index_add(&b, &ones, 0)?;
+    Ok(counts.narrow(0, 0, BINADES)?)
+}
+
+/// The statistics from a vector [`device_vector`] made, read on the host.
+pub(crate) fn from_vector(
+    v: &[f64],
+    dtype: DType,
+    n: u64,
+    scale: f64,
+    binades: bool,
+) -> (TensorStats, Option<Vec<u64>>) {
+    let c = |i: usize| v.get(i).copied().unwrap_or(0.0);
+    let hist = binades.then(|| {
+        (0..BINADES)
+            .map(|i| c(VECTOR_LEN + i).max(0.0) as u64)
+            .collect::<Vec<u64>>()
+    });
     let acc = Acc {
         n,
-        nan,
-        inf,
-        zeros,
-        under16,
-        underbf,
-        over16,
-        amax,
-        amin,
-        sum,
+        nan: c(0) as u64,
+        inf: c(1) as u64,
+        zeros: c(2) as u64,
+        sum: c(3),
+        amax: c(4) as f32,
+        amin: c(5) as f32,
+        under16: c(6) as u64,
+        underbf: c(7) as u64,
+        over16: c(8) as u64,
         binades: hist,
     };
-    let (s, h) = acc.finish(dtype, scale);
-    Ok((s, h))
+    acc.finish(dtype, scale)
 }
 
 /// Fraction of the histogram's values (of `elements`) that times `scale` (a power of two)

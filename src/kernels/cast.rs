@@ -58,7 +58,9 @@ impl CustomOp1 for Cast {
         Ok((convert_storage(s, a, b, self.0)?, l.shape().clone()))
     }
 
-    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+    fn bwd(&self, arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        // A gradient kept before rounding for the cast's output is its input's (the doctor).
+        super::capture::hand_on(res, arg)?;
         Ok(Some(cast(grad, arg.dtype())?))
     }
 }

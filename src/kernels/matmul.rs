@@ -118,6 +118,8 @@ fn supported(dt: DType) -> bool {
 struct Bmm {
     ta: bool,
     tb: bool,
+    /// The result in f32, not rounded to the inputs' type (a gradient kept for the doctor).
+    f32_out: bool,
 }
 
 impl CustomOp2 for Bmm {
@@ -140,23 +142,24 @@ impl CustomOp2 for Bmm {
         }
         let mut dims = l1.dims()[..l1.dims().len() - 2].to_vec();
         dims.extend([sa.rows, sb.cols]);
-        Ok((storage_of(out, s1.dtype())?, Shape::from(dims)))
+        let dt = if self.f32_out { DType::F32 } else { s1.dtype() };
+        Ok((storage_of(out, dt)?, Shape::from(dims)))
     }
 
     fn bwd(&self, a: &Tensor, b: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         // out = op(a) . op(b); d op(a) = g . op(b)^T, d op(b) = op(a)^T . g.
         let ga = a.track_op().then(|| {
             if self.ta {
-                bmm(b, g, self.tb, true)
+                grad_bmm(a.is_variable().then_some(a), b, g, self.tb, true)
             } else {
-                bmm(g, b, false, !self.tb)
+                grad_bmm(a.is_variable().then_some(a), g, b, false, !self.tb)
             }
         });
         let gb = b.track_op().then(|| {
             if self.tb {
-                bmm(g, a, true, self.ta)
+                grad_bmm(b.is_variable().then_some(b), g, a, true, self.ta)
             } else {
-                bmm(a, g, !self.ta, false)
+                grad_bmm(b.is_variable().then_some(b), a, g, !self.ta, false)
             }
         });
         Ok((ga.transpose()?, gb.transpose()?))
@@ -165,7 +168,20 @@ impl CustomOp2 for Bmm {
 
 /// `op(a) . op(b)` without a backward.
 fn bmm(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Tensor> {
-    a.apply_op2_no_bwd(b, &Bmm { ta, tb })
+    a.apply_op2_no_bwd(b, &Bmm { ta, tb, f32_out: false })
+}
+
+/// [`bmm`] for the gradient of `of` (a parameter: a linear's weight, a matmul's variable;
+/// `None` for activations): while a capture is open (the doctor records this backward), a
+/// gradient rounded to half is kept in f32 first (`super::capture`); the rounding is the
+/// same (`to_dtype` rounds to nearest even as `storage_of` does).
+fn grad_bmm(of: Option<&Tensor>, a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Tensor> {
+    let Some(of) = of.filter(|_| super::capture::active() && matches!(a.dtype(), DType::F16 | DType::BF16)) else {
+        return bmm(a, b, ta, tb);
+    };
+    let g32 = a.apply_op2_no_bwd(b, &Bmm { ta, tb, f32_out: true })?;
+    super::capture::keep(of, &g32)?;
+    g32.to_dtype(a.dtype())
 }
 
 /// The matrix product of the last two dims, batched over the others (which must be equal or
@@ -209,7 +225,14 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         (a.broadcast_as(da)?, b.broadcast_as(db)?)
     };
     if a.track_op() || b.track_op() {
-        a.apply_op2(&b, Bmm { ta: false, tb: false })
+        a.apply_op2(
+            &b,
+            Bmm {
+                ta: false,
+                tb: false,
+                f32_out: false,
+            },
+        )
     } else {
         bmm(&a, &b, false, false)
     }
@@ -360,8 +383,13 @@ fn linear_bwd(
         None
     };
     let gw = if w.track_op() {
+<<<<<<< HEAD
         let x2 = super::dense(x)?.reshape((m, k))?;
         Some(bmm(&g2, &x2, true, false)?)
+=======
+        let x2 = x.contiguous()?.reshape((m, k))?;
+        Some(grad_bmm(Some(w), &g2, &x2, true, false)?)
+>>>>>>> h-doctor
     } else {
         None
     };
@@ -378,7 +406,11 @@ fn linear_bwd(
                 _ => candle_core::bail!("amp-linear: gradient storage"),
             };
             drop(s);
-            Some(super::cast::cast(&Tensor::from_vec(sums, n, b.device())?, b.dtype())?)
+            let sums = Tensor::from_vec(sums, n, b.device())?;
+            if b.dtype() != DType::F32 {
+                super::capture::keep(b, &sums)?;
+            }
+            Some(super::cast::cast(&sums, b.dtype())?)
         }
         _ => None,
     };

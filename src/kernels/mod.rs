@@ -27,6 +27,7 @@
 mod amx;
 #[cfg(target_arch = "x86_64")]
 mod bf16_gemm;
+pub(crate) mod capture;
 mod cast;
 mod dispatch;
 pub(crate) mod fingerprint;

@@ -37,14 +37,17 @@ impl TensorKind {
 
 /// What the guard tells the observer at the end of each backward (observed or not).
 #[derive(Debug, Clone)]
-pub(crate) struct BackwardInfo<'a> {
+pub(crate) struct BackwardInfo {
     /// The loss scale the backward ran at.
     pub scale: f32,
-    /// Whether the loss or a gradient was not finite (the step will be skipped).
+    /// Whether the loss or a gradient was not finite (the step will be skipped; on the
+    /// device path only what the host knew, see `BackwardReport::deferred`).
     pub found_inf: bool,
-    /// The parameters whose raw gradients were not finite (`"<loss>"` for the loss).
-    pub nonfinite: &'a [String],
 }
+
+/// Whose gradients a backward produced: the run's loss scaler `loss_id`, or an outside
+/// `GradScaler` (`None`).
+pub(crate) type LossOf = Option<usize>;
 
 /// A recorder the run's cast context holds (the doctor's).
 pub(crate) trait Observer: Send + Sync {
@@ -53,8 +56,16 @@ pub(crate) trait Observer: Send + Sync {
     /// Records a named tensor. `scale` multiplies its values before they are compared with
     /// the half types' limits (the loss scale, for master gradients).
     fn record(&self, name: &str, kind: TensorKind, t: &Tensor, scale: f32);
+    /// Tells the observer whose gradients the records up to the next
+    /// [`end_backward`](Self::end_backward) are (called before the first gradient).
+    fn begin_gradients(&self, loss: LossOf);
+    /// Records a parameter's raw (still scaled) gradient; `pre_round` is the same gradient
+    /// in f32 before it was rounded to the raw gradient's type, where the product that made
+    /// it had it (the library's kernels on the CPU), so underflow is measured where the
+    /// values still exist.
+    fn record_grad(&self, name: &str, raw: &Tensor, pre_round: Option<&Tensor>);
     /// Records an op's output; the observer names it by op and call index.
     fn record_op(&self, op: &str, t: &Tensor);
     /// A backward ended: the step counter advances.
-    fn end_backward(&self, info: &BackwardInfo<'_>);
+    fn end_backward(&self, info: &BackwardInfo);
 }

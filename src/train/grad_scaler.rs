@@ -169,6 +169,7 @@ impl GradScaler {
             scale,
             (false, None),
             self.enabled,
+            &Default::default(),
         )
     }
 

@@ -99,6 +99,9 @@ pub struct ScaleLoss<'a> {
     loss_nonfinite: bool,
     /// The device path's flag of the loss (read at the step).
     loss_flag: Option<Tensor>,
+    /// Open while the doctor records this step: the parameters' gradients in f32 before
+    /// they are rounded to half (`kernels::capture`).
+    capture: Option<crate::kernels::capture::Capture>,
 }
 
 impl std::fmt::Debug for ScaleLoss<'_> {
@@ -137,8 +140,10 @@ impl<'a> ScaleLoss<'a> {
             (true, false) => (nonfinite(&loss32)?, None),
             (true, true) => (false, Some(crate::train::optim::device_flag(&loss32)?)),
         };
+        let mut capture = None;
         if let Some(o) = run.casts.recording_observer() {
             o.record(&loss_name(loss_id), TensorKind::Loss, &loss32, 1.0);
+            capture = Some(crate::kernels::capture::Capture::open());
         }
         let scaled = loss32.affine(scale as f64, 0.0)?;
         Ok(Self {
@@ -149,6 +154,7 @@ impl<'a> ScaleLoss<'a> {
             scale,
             loss_nonfinite,
             loss_flag,
+            capture,
         })
     }
 
@@ -191,9 +197,12 @@ impl<'a> ScaleLoss<'a> {
             scale,
             loss_nonfinite,
             loss_flag,
+            capture,
             ..
         } = self;
         let check = run.props.enabled;
+        let pre_round = capture.as_ref().map(|c| c.take()).unwrap_or_default();
+        drop(capture);
         let report = run_stages(
             run,
             grads,
@@ -202,6 +211,7 @@ impl<'a> ScaleLoss<'a> {
             scale,
             (loss_nonfinite, loss_flag),
             check,
+            &pre_round,
         );
         // The block is over: casts not used in it are swept (those used stay cached until their
         // weight's write generation changes at the step).
@@ -224,7 +234,9 @@ impl<'a> ScaleLoss<'a> {
 /// before the first write into an optimizer, so a failed backward leaves every optimizer's
 /// master gradients, flags and counters as they were, and can be retried.
 /// `loss` is the loss's check: whether it was found non-finite on the host, and on the
-/// device path its flag on the device instead.
+/// device path its flag on the device instead. `pre_round`: the gradients kept in f32 before
+/// rounding (`kernels::capture`), by tensor id, for the doctor.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn run_stages(
     run: &RunState,
     mut grads: GradStore,
@@ -233,6 +245,7 @@ pub(crate) fn run_stages(
     scale: f32,
     loss: (bool, Option<Tensor>),
     check: bool,
+    pre_round: &std::collections::HashMap<candle_core::TensorId, Tensor>,
 ) -> Result<BackwardReport> {
     let (loss_nonfinite, loss_flag) = loss;
     for o in optimizers.iter() {
@@ -317,23 +330,32 @@ pub(crate) fn run_stages(
     let observer = run.casts.observer();
     if let Some(o) = &observer {
         if o.recording() {
+            o.begin_gradients(match round {
+                Round::Loss(id) => Some(id),
+                Round::External => None,
+            });
             for (name, v) in &all {
                 if let Some(g) = grads.get(v.as_tensor()) {
-                    o.record(name, TensorKind::Grad, g, 1.0);
+                    o.record_grad(name, g, pre_round.get(&v.as_tensor().id()));
                 }
             }
             for (name, v) in &all {
                 o.record(name, TensorKind::Weight, v.as_tensor(), 1.0);
             }
+            // The master gradients of the parameters this backward reached (another loss's
+            // parameters are that loss's).
+            let reached: std::collections::HashSet<&str> = all
+                .iter()
+                .filter(|(_, v)| grads.get(v.as_tensor()).is_some())
+                .map(|(n, _)| n.as_str())
+                .collect();
             for (name, g) in optimizers.iter().flat_map(|opt| opt.master_grads()) {
-                o.record(name, TensorKind::MasterGrad, g, scale);
+                if reached.contains(name.as_str()) {
+                    o.record(name, TensorKind::MasterGrad, g, scale);
+                }
             }
         }
-        o.end_backward(&BackwardInfo {
-            scale,
-            found_inf,
-            nonfinite: &nonfinite,
-        });
+        o.end_backward(&BackwardInfo { scale, found_inf });
     }
     Ok(BackwardReport {
         found_inf,
