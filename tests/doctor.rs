@@ -281,6 +281,10 @@ fn planted_problems_are_named_exactly_and_apply_fixes_o1_and_o3() {
         );
         let report = doc.report();
         assert_eq!(report.steps_observed, (STEPS as u64).div_ceil(5));
+        // The loss scale at every step (unthinned at this length), the steps counted from 1 as
+        // the train example's progress lines.
+        let scale_steps: Vec<u64> = report.loss_scale.iter().map(|p| p.step).collect();
+        assert_eq!(scale_steps, (1..=report.steps).collect::<Vec<_>>(), "{level}");
         assert_eq!(
             layer_findings(&report.recommendations),
             vec![
@@ -440,11 +444,12 @@ fn the_fallback_switches_the_planted_layers_only_and_a_checkpoint_keeps_the_swit
     let switches = doc.switches();
     let mut names: Vec<_> = switches.iter().map(|s| (s.layer.clone(), s.to_f32, s.step)).collect();
     names.sort();
-    // Three bad observations (steps 0, 1, 2), then the switch: step 3 on trains.
-    // (The event carries the step whose observation decided it; the switch holds from the next.)
+    // Three bad observations (steps 1, 2, 3, counting from 1), then the switch: step 4 on
+    // trains. (The event carries the step whose observation decided it; the switch holds
+    // from the next.)
     assert_eq!(
         names,
-        vec![("big".into(), true, 2), ("shrink".into(), true, 2)],
+        vec![("big".into(), true, 3), ("shrink".into(), true, 3)],
         "{switches:?}"
     );
     assert_eq!(
@@ -452,7 +457,7 @@ fn the_fallback_switches_the_planted_layers_only_and_a_checkpoint_keeps_the_swit
         [true, true, true, false, false, false, false, false, false, false]
     );
     assert_eq!(a.f32_layers(), vec!["big".to_string(), "shrink".to_string()]);
-    assert!(doc.report().to_string().contains("fallback at step 2: big -> f32"));
+    assert!(doc.report().to_string().contains("fallback at step 3: big -> f32"));
 
     // Save, resume in a new run: the switch is in place and training continues exactly.
     let dir = std::env::temp_dir().join(format!("candle-amp-doctor-{}", std::process::id()));
@@ -577,8 +582,9 @@ fn the_fallback_switches_back_when_the_outputs_fit_again() {
         .iter()
         .map(|s| (s.layer.clone(), s.to_f32, s.step))
         .collect();
-    // In half from step 3 (after three bad observations) until three good ones (steps 5-7).
-    assert_eq!(events, vec![("lin".into(), true, 2), ("lin".into(), false, 7)]);
+    // Steps counting from 1: in f32 from step 4 (after three bad observations, the event at
+    // step 3) until three good ones (steps 6-8, the event at step 8).
+    assert_eq!(events, vec![("lin".into(), true, 3), ("lin".into(), false, 8)]);
     let lin = vec!["lin".to_string()];
     let expect: Vec<Vec<String>> = (0..12)
         .map(|i| if (2..7).contains(&i) { lin.clone() } else { vec![] })

@@ -79,7 +79,8 @@ struct Args {
 
 const USAGE: &str = "usage: bench [--json] [--threads N] [--steps N] [--quick] [--isa TIER] [--mallopt] [--kernels-only] [--torch FILE] [--device cpu|cuda] [--gpu-model gpt2|tiny] [--gpu-batch N]";
 
-fn parse_args() -> Result<Args> {
+/// Parses the arguments (without the program name); `None` for `-h` / `--help`.
+fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Option<Args>> {
     let mut a = Args {
         json: false,
         threads: 1,
@@ -94,9 +95,10 @@ fn parse_args() -> Result<Args> {
         gpu_batch: None,
         steps_given: false,
     };
-    let mut it = std::env::args().skip(1);
+    let mut it = args.into_iter();
     while let Some(f) = it.next() {
         match f.as_str() {
+            "-h" | "--help" => return Ok(None),
             "--json" => a.json = true,
             "--quick" => a.quick = true,
             "--kernels-only" => a.kernels_only = true,
@@ -127,7 +129,7 @@ fn parse_args() -> Result<Args> {
     if a.quick && a.torch.is_some() {
         bail!("--torch compares the full-size MLP; drop --quick");
     }
-    Ok(a)
+    Ok(Some(a))
 }
 
 /// The GPU bench (`--device cuda`, or `--gpu-model` on any device): its JSON on stdout.
@@ -155,7 +157,10 @@ fn gpu_main(a: &Args) -> Result<()> {
 }
 
 fn main() -> Result<()> {
-    let a = parse_args()?;
+    let Some(a) = parse_args(std::env::args().skip(1))? else {
+        println!("{USAGE}");
+        return Ok(());
+    };
     // Before any other thread exists (mallopt) and before anything is measured (the tier).
     let mallopt = a.mallopt && machine::keep_freed_memory();
     if let Some(isa) = &a.isa {
@@ -304,4 +309,26 @@ fn main() -> Result<()> {
         println!("{out}");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(line: &str) -> Result<Option<Args>> {
+        parse_args(line.split_whitespace().map(String::from))
+    }
+
+    #[test]
+    fn help_is_usage_and_unknown_flags_are_refused() {
+        assert!(parse("--help").unwrap().is_none());
+        assert!(parse("--quick -h").unwrap().is_none());
+        let a = parse("--quick --json --threads 2").unwrap().unwrap();
+        assert!(a.quick && a.json && a.threads == 2 && a.steps == 20);
+        let e = parse("--frobnicate").err().unwrap().to_string();
+        assert!(
+            e.contains("unknown argument \"--frobnicate\"") && e.contains("usage: bench"),
+            "{e}"
+        );
+    }
 }

@@ -386,6 +386,9 @@ fn main() -> Result<()> {
         if classes < 2 {
             bail!("the data has {classes} class(es); a classifier needs at least 2");
         }
+        if let (true, Some(w)) = (main, ds.empty_classes_warning()) {
+            eprintln!("warning: {w}");
+        }
         let (train, test) = data::split_standardise(&ds, 0.2, a.seed);
         if train.len() < world || test.len() == 0 {
             bail!(

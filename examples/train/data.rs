@@ -54,6 +54,33 @@ impl Dataset {
         self.y.iter().copied().max().map(|m| m as usize + 1).unwrap_or(0)
     }
 
+    /// The labels below the largest that no row has: classes the model gets outputs for but
+    /// never sees.
+    pub fn empty_classes(&self) -> Vec<u32> {
+        let mut seen = vec![false; self.classes()];
+        for &l in &self.y {
+            seen[l as usize] = true;
+        }
+        (0..seen.len() as u32).filter(|&c| !seen[c as usize]).collect()
+    }
+
+    /// A warning for stderr when some classes below the largest label have no row.
+    pub fn empty_classes_warning(&self) -> Option<String> {
+        let empty = self.empty_classes();
+        if empty.is_empty() {
+            return None;
+        }
+        let shown: Vec<String> = empty.iter().take(10).map(u32::to_string).collect();
+        Some(format!(
+            "the data's labels run to {} but no row has {}{}: the model gets {} outputs, {} never trained",
+            self.classes() - 1,
+            shown.join(", "),
+            if empty.len() > 10 { ", ..." } else { "" },
+            self.classes(),
+            empty.len()
+        ))
+    }
+
     fn take(&self, idx: &[usize]) -> Dataset {
         let mut x = Vec::with_capacity(idx.len() * self.width);
         let mut y = Vec::with_capacity(idx.len());
@@ -71,10 +98,17 @@ impl Dataset {
 
 /// Parses CSV text: numeric features then an integer label on each line, no header. Blank
 /// lines are skipped. Every row must have the same width.
+///
+/// The classifier has one output per class, the largest label plus one, so a label is
+/// refused (at the line of its first row) when it would make more classes than the file has
+/// rows: a typo'd label would otherwise train a model that is mostly empty classes, or ask
+/// for terabytes of weights.
 pub fn parse_csv(text: &str) -> Result<Dataset, DataError> {
     let mut x = Vec::new();
     let mut y = Vec::new();
     let mut width = None;
+    // The largest label and the line it first appears on.
+    let mut max_label: Option<(u32, usize)> = None;
     for (i, line) in text.lines().enumerate() {
         let ln = i + 1;
         let line = line.trim();
@@ -117,12 +151,28 @@ pub fn parse_csv(text: &str) -> Result<Dataset, DataError> {
             line: ln,
             msg: format!("the label (last field) must be a non-negative integer, found {lab:?}"),
         })?;
+        if max_label.is_none_or(|(m, _)| l > m) {
+            max_label = Some((l, ln));
+        }
         y.push(l);
     }
     let width = width.ok_or(DataError {
         line: 0,
         msg: "no rows".into(),
     })?;
+    if let Some((m, ln)) = max_label
+        && m as u64 + 1 > y.len() as u64
+    {
+        return Err(DataError {
+            line: ln,
+            msg: format!(
+                "label {m} makes {} classes (labels are 0 to K-1 for K classes), more than the file's {} rows: \
+                 number the classes from 0 without gaps",
+                m as u64 + 1,
+                y.len()
+            ),
+        });
+    }
     Ok(Dataset { x, y, width })
 }
 

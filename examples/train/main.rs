@@ -8,41 +8,51 @@
 //!
 //! * `mlp` and `cnn` classify the bundled UCI digits (8x8 images), `transformer` learns to
 //!   reverse short digit sequences it generates.
-//! * `--save DIR` writes a checkpoint per run under `DIR/<model>-<level>-<half>/` at the end;
-//!   `--resume DIR` continues each run from there (`--steps` counts from the start of
-//!   training), so a run cut in two prints the same JSON as one run straight through, but
-//!   for `step_ms`.
+//! * `--save DIR` writes a checkpoint per run under `DIR/<model>-<level>-<half>/` at the end
+//!   (`<model>-O0-f32` at O0, f32 whatever `--half` says); `--resume DIR` continues each run
+//!   from there (`--steps` counts from the start of training, `--seed` must be the saved
+//!   one), so a run cut in two prints the same JSON as one run straight through, but for
+//!   `step_ms` (the median over all the run's steps). A run already at `--steps` trains
+//!   nothing, says so, and prints the saved run's row.
 //! * `--checkpoint SEGMENTS` runs the transformer's blocks with gradient checkpointing in
 //!   that many segments (the last runs normally); `--ffn-chunk N` runs its feed-forward on
 //!   slices of N positions, each recomputed in the backward. Both trade time for memory and
-//!   leave the results as they are, up to rounding.
+//!   leave the results as they are, up to rounding; the JSON rows record them
+//!   (`checkpoint_segments`, `ffn_chunk`: `null` when unused).
+//! * A flag given twice, or one that no model trained uses, is a usage error (exit status 2).
 //! * `--doctor DIR` attaches the numerics doctor (every 10th step) to each run and writes
 //!   `DIR/<model>-<level>-<half>-doctor.json` (its report) and `.svg` (per-activation amax and
-//!   f16 underflow, the loss scale over the steps).
+//!   f16 underflow, the loss scale over the steps); at O0 too, where the report says what
+//!   the half type would do.
 //! * `--report DIR` draws `DIR/<model>.svg`: training loss per step for each level, and the
 //!   loss scale over the steps with skipped steps marked.
 
+mod args;
 mod cli;
 mod data;
 mod doctor_svg;
 mod models;
 mod report;
+mod resume;
+#[cfg(test)]
+mod tests;
 
 use std::io::IsTerminal;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use candle_amp as amp;
-use candle_amp::checkpoint::CheckpointDir;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::ModuleT;
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
+use args::{Args, ModelKind, Parsed};
 use cli::{adamw, check_writable, half_label, rows, weight_dtype};
 use data::Dataset;
 use models::{Cnn, Mlp, Transformer, TransformerConfig};
+use resume::{Progress, Resumed, load_resumed, run_dir};
 
 const HIDDEN: usize = 256;
 const BATCH: usize = 128;
@@ -53,116 +63,6 @@ const SEQ_BATCH: usize = 32;
 const SEQ_HELD_OUT: usize = 512;
 const TRANSFORMER_LAYERS: usize = 2;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum ModelKind {
-    Mlp,
-    Cnn,
-    Transformer,
-}
-
-impl ModelKind {
-    fn name(self) -> &'static str {
-        match self {
-            ModelKind::Mlp => "mlp",
-            ModelKind::Cnn => "cnn",
-            ModelKind::Transformer => "transformer",
-        }
-    }
-
-    fn parse(s: &str) -> Result<Self> {
-        match s {
-            "mlp" => Ok(ModelKind::Mlp),
-            "cnn" => Ok(ModelKind::Cnn),
-            "transformer" => Ok(ModelKind::Transformer),
-            _ => bail!("unknown model {s:?}: use mlp, cnn or transformer"),
-        }
-    }
-}
-
-struct Args {
-    models: Vec<ModelKind>,
-    /// Whether `--model` was given (else the models that fit the data are chosen).
-    models_given: bool,
-    levels: Vec<amp::OptLevel>,
-    half: amp::HalfType,
-    data: Option<String>,
-    steps: usize,
-    seed: u64,
-    json: bool,
-    save: Option<String>,
-    resume: Option<String>,
-    report: Option<String>,
-    doctor: Option<String>,
-    checkpoint: usize,
-    ffn_chunk: usize,
-}
-
-fn usage() -> &'static str {
-    "usage: train [--model mlp|cnn|transformer]... [--opt-level O0|O1|O2|O3]... [--half f16|bf16] \
-     [--data FILE.csv] [--steps N] [--seed N] [--json] [--save DIR] [--resume DIR] [--report DIR] \
-     [--doctor DIR] [--checkpoint SEGMENTS] [--ffn-chunk N]"
-}
-
-fn parse_args() -> Result<Args> {
-    let mut a = Args {
-        models: Vec::new(),
-        models_given: false,
-        levels: Vec::new(),
-        half: amp::HalfType::F16,
-        data: None,
-        steps: 600,
-        seed: 0,
-        json: false,
-        save: None,
-        resume: None,
-        report: None,
-        doctor: None,
-        checkpoint: 0,
-        ffn_chunk: 0,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || it.next().with_context(|| format!("{flag} needs a value; {}", usage()));
-        match flag.as_str() {
-            "--model" => a.models.push(ModelKind::parse(&value()?)?),
-            "--opt-level" => a.levels.push(value()?.parse()?),
-            "--half" => a.half = value()?.parse()?,
-            "--data" => a.data = Some(value()?),
-            "--steps" => a.steps = value()?.parse().context("--steps takes a positive integer")?,
-            "--seed" => a.seed = value()?.parse().context("--seed takes a non-negative integer")?,
-            "--json" => a.json = true,
-            "--save" => a.save = Some(value()?),
-            "--resume" => a.resume = Some(value()?),
-            "--report" => a.report = Some(value()?),
-            "--doctor" => a.doctor = Some(value()?),
-            "--checkpoint" => a.checkpoint = value()?.parse().context("--checkpoint takes a number of segments")?,
-            "--ffn-chunk" => a.ffn_chunk = value()?.parse().context("--ffn-chunk takes a number of positions")?,
-            "-h" | "--help" => {
-                eprintln!("{}", usage());
-                std::process::exit(0);
-            }
-            other => bail!("unknown argument {other:?}; {}", usage()),
-        }
-    }
-    if a.steps == 0 {
-        bail!("--steps must be at least 1");
-    }
-    a.models_given = !a.models.is_empty();
-    if a.models.is_empty() {
-        a.models = vec![ModelKind::Mlp, ModelKind::Cnn, ModelKind::Transformer];
-    }
-    if a.checkpoint > TRANSFORMER_LAYERS {
-        bail!(
-            "--checkpoint {}: the transformer has {TRANSFORMER_LAYERS} blocks, so use 1 to {TRANSFORMER_LAYERS} segments",
-            a.checkpoint
-        );
-    }
-    if a.levels.is_empty() {
-        a.levels = amp::OptLevel::ALL.to_vec();
-    }
-    Ok(a)
-}
-
 /// One run's results and per-step history.
 struct RunResult {
     level: amp::OptLevel,
@@ -172,22 +72,13 @@ struct RunResult {
     accuracy: f64,
     skipped: u64,
     final_scale: f32,
-    step_ms: f64,
+    /// The median step time over all the run's steps (those before a resumed checkpoint
+    /// included); `None` only for an old checkpoint without step times and nothing to train.
+    step_ms: Option<f64>,
+    /// Ops that ran in half in the last step (O1; a resumed run with nothing to train
+    /// reports the saved run's).
     autocast_ops: usize,
     progress: Progress,
-}
-
-/// What the example keeps in a checkpoint beside the library's state.
-#[derive(serde::Serialize, serde::Deserialize, Default, Clone)]
-struct Progress {
-    /// Training loss of every step so far.
-    losses: Vec<f64>,
-    /// Loss scale after every step.
-    scales: Vec<f32>,
-    /// Whether each step was skipped.
-    skipped: Vec<bool>,
-    /// Rows of the current epoch not yet used (digits tasks).
-    order: Vec<usize>,
 }
 
 /// A task: its data and how to batch and score it.
@@ -253,20 +144,19 @@ fn score(kind: ModelKind, logits: &Tensor, y: &Tensor) -> Result<(Tensor, usize,
     Ok((loss, correct, truth.len()))
 }
 
-fn run_dir(root: &str, kind: ModelKind, level: amp::OptLevel, half: amp::HalfType) -> CheckpointDir {
-    CheckpointDir::new(
-        std::path::Path::new(root).join(format!("{}-{level}-{half}", kind.name())),
-        1,
-    )
-}
-
-fn train_one(kind: ModelKind, task: &Task, level: amp::OptLevel, a: &Args) -> Result<RunResult> {
+fn train_one(
+    kind: ModelKind,
+    task: &Task,
+    level: amp::OptLevel,
+    a: &Args,
+    resumed: Option<Resumed>,
+) -> Result<RunResult> {
     let config = amp::AmpConfig::new(level).half(a.half).seed(a.seed);
     let amp = amp::Amp::new(config, &Device::Cpu)?;
     let dropout = amp.generator("dropout");
     // Checkpointed segments and feed-forward slices are recorded here and recomputed by its
     // backward driver.
-    let recompute = (kind == ModelKind::Transformer && (a.checkpoint > 0 || a.ffn_chunk > 0))
+    let recompute = (kind == ModelKind::Transformer && (a.checkpoint.is_some() || a.ffn_chunk.is_some()))
         .then(|| amp::recompute::Recompute::new(&amp));
     let model = amp.model(|vb| {
         Ok(match (kind, task) {
@@ -285,8 +175,8 @@ fn train_one(kind: ModelKind, task: &Task, level: amp::OptLevel, a: &Args) -> Re
                     heads: 4,
                     layers: TRANSFORMER_LAYERS,
                     dropout: 0.1,
-                    checkpoint: a.checkpoint,
-                    ffn_chunk: a.ffn_chunk,
+                    checkpoint: a.checkpoint.unwrap_or(0),
+                    ffn_chunk: a.ffn_chunk.unwrap_or(0),
                 };
                 Net::Transformer(Transformer::new(vb, c, dropout, recompute.clone())?)
             }
@@ -299,31 +189,16 @@ fn train_one(kind: ModelKind, task: &Task, level: amp::OptLevel, a: &Args) -> Re
         None => None,
     };
 
-    let mut start = 0usize;
-    let mut progress = Progress::default();
-    if let Some(root) = &a.resume {
-        let dir = run_dir(root, kind, level, a.half);
-        let ck = dir
-            .load()
-            .with_context(|| format!("resuming {level} from {}", dir.root().display()))?;
-        ck.restore(&amp, &mut [&mut opt])?;
-        progress = serde_json::from_value(ck.extra().clone()).context("the checkpoint's example progress")?;
-        start = ck.step() as usize;
-        if start > a.steps {
-            bail!(
-                "the checkpoint in {} is at step {start}, beyond --steps {}",
-                dir.root().display(),
-                a.steps
-            );
-        }
-        if progress.losses.len() != start {
-            bail!(
-                "the checkpoint in {} is inconsistent: {} losses for step {start}",
-                dir.root().display(),
-                progress.losses.len()
-            );
-        }
+    let mut progress = Progress {
+        seed: Some(a.seed),
+        ..Default::default()
+    };
+    if let Some(r) = resumed {
+        r.ck.restore(&amp, &mut [&mut opt])?;
+        progress = r.progress;
+        progress.seed = Some(a.seed);
     }
+    let start = progress.losses.len();
 
     let pb = ProgressBar::new(a.steps.saturating_sub(start) as u64);
     pb.set_style(ProgressStyle::with_template("{prefix:>16} [{bar:30}] {pos}/{len} {msg}")?.progress_chars("=> "));
@@ -333,13 +208,15 @@ fn train_one(kind: ModelKind, task: &Task, level: amp::OptLevel, a: &Args) -> Re
     // line per run and every tenth of it instead.
     let lines = !std::io::stderr().is_terminal();
     let every = (a.steps / 10).max(1);
-    if lines {
+    if start == a.steps {
+        // Said whatever stderr is: the row printed is the saved run's (see README).
+        eprintln!("{label}: the checkpoint is already at step {start} (--steps {start}): nothing to train");
+    } else if lines {
         eprintln!("{label}: training steps {}..{}", start + 1, a.steps);
     }
 
     // Batches come from the run's own "data" generator, so checkpoints carry the data order.
     let data_rng = amp.generator("data");
-    let mut times = Vec::with_capacity(a.steps);
     for _ in start..a.steps {
         let (x, y) = match task {
             Task::Digits { train, .. } => {
@@ -364,7 +241,7 @@ fn train_one(kind: ModelKind, task: &Task, level: amp::OptLevel, a: &Args) -> Re
         };
         let outcome = opt.step()?;
         opt.zero_grad();
-        times.push(t0.elapsed().as_secs_f64() * 1e3);
+        progress.times.push(t0.elapsed().as_secs_f64() * 1e3);
         let l = loss.to_scalar::<f32>()? as f64;
         progress.losses.push(l);
         progress.scales.push(outcome.loss_scale());
@@ -372,7 +249,7 @@ fn train_one(kind: ModelKind, task: &Task, level: amp::OptLevel, a: &Args) -> Re
         pb.set_message(format!("loss {l:.4}"));
         pb.inc(1);
         let done = progress.losses.len();
-        if lines && (done % every == 0 || done == a.steps) {
+        if lines && (done.is_multiple_of(every) || done == a.steps) {
             eprintln!(
                 "{label}: step {done}/{} loss {l:.4} scale {}",
                 a.steps,
@@ -381,18 +258,23 @@ fn train_one(kind: ModelKind, task: &Task, level: amp::OptLevel, a: &Args) -> Re
         }
     }
     pb.finish_and_clear();
+    if start < a.steps {
+        progress.autocast_ops = Some(amp.autocast_ops());
+    }
     if let (Some(dir), Some(doctor)) = (&a.doctor, &doctor) {
         let report = doctor.report();
+        // Named with the half type at O0 too: there the report says what that type would do.
         let base = std::path::Path::new(dir).join(format!("{}-{level}-{}-doctor", kind.name(), a.half));
         let json = base.with_extension("json");
         std::fs::write(&json, serde_json::to_string_pretty(&report)?)
             .with_context(|| format!("writing {}", json.display()))?;
         let svg = base.with_extension("svg");
-        doctor_svg::draw(
-            &svg,
-            &format!("{} {level} {}", kind.name(), half_label(level, a.half)),
-            &report,
-        )?;
+        let title = if level == amp::OptLevel::O0 {
+            format!("{} O0 f32 (what {} would do)", kind.name(), a.half)
+        } else {
+            format!("{} {level} {}", kind.name(), a.half)
+        };
+        doctor_svg::draw(&svg, &title, &report)?;
         eprintln!("{report}");
         eprintln!("wrote {} and {}", json.display(), svg.display());
     }
@@ -420,6 +302,7 @@ fn train_one(kind: ModelKind, task: &Task, level: amp::OptLevel, a: &Args) -> Re
     };
     let logits = model.forward(&x)?;
     let (eval_loss, correct, total) = score(kind, &logits, &y)?;
+    let mut times = progress.times.clone();
     times.sort_by(|p, q| p.total_cmp(q));
     Ok(RunResult {
         level,
@@ -429,8 +312,8 @@ fn train_one(kind: ModelKind, task: &Task, level: amp::OptLevel, a: &Args) -> Re
         accuracy: correct as f64 / total.max(1) as f64,
         skipped: opt.skipped_steps(),
         final_scale: amp.loss_scale(0)?,
-        step_ms: times.get(times.len() / 2).copied().unwrap_or(f64::NAN),
-        autocast_ops: amp.autocast_ops(),
+        step_ms: times.get(times.len() / 2).copied(),
+        autocast_ops: progress.autocast_ops.unwrap_or(0),
         progress,
     })
 }
@@ -443,11 +326,10 @@ fn cnn_fits(width: usize) -> bool {
 
 /// With `--data` and no `--model`: the models that can learn from the file (the MLP always,
 /// the CNN when rows are square images), saying on stderr which are left out and why.
-fn models_for_data(a: &mut Args) -> Result<()> {
+fn models_for_data(a: &mut Args, width: usize) {
     let (Some(path), false) = (&a.data, a.models_given) else {
-        return Ok(());
+        return;
     };
-    let width = data::read_file(path)?.width;
     let mut left_out = vec!["transformer (it learns a generated sequence task, not the file's rows)".to_string()];
     if !cnn_fits(width) {
         left_out.push(format!(
@@ -461,16 +343,10 @@ fn models_for_data(a: &mut Args) -> Result<()> {
         a.models.iter().map(|k| k.name()).collect::<Vec<_>>().join(", "),
         left_out.join("; ")
     );
-    Ok(())
 }
 
-fn make_task(kind: ModelKind, a: &Args) -> Result<Task> {
-    if kind == ModelKind::Transformer {
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(a.seed ^ 0x00de_ad00_beef);
-        return Ok(Task::Reverse {
-            held_out: reverse_batch(&mut rng, SEQ_HELD_OUT)?,
-        });
-    }
+/// The classification data (`--data` or the bundled digits), checked for a classifier.
+fn load_data(a: &Args) -> Result<Dataset> {
     let ds = match &a.data {
         Some(p) => data::read_file(p)?,
         None => data::digits()?,
@@ -479,6 +355,20 @@ fn make_task(kind: ModelKind, a: &Args) -> Result<Task> {
     if classes < 2 {
         bail!("the data has {classes} class(es); a classifier needs at least 2");
     }
+    if let Some(w) = ds.empty_classes_warning() {
+        eprintln!("warning: {w}");
+    }
+    Ok(ds)
+}
+
+fn make_task(kind: ModelKind, ds: Option<&Dataset>, a: &Args) -> Result<Task> {
+    if kind == ModelKind::Transformer {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(a.seed ^ 0x00de_ad00_beef);
+        return Ok(Task::Reverse {
+            held_out: reverse_batch(&mut rng, SEQ_HELD_OUT)?,
+        });
+    }
+    let ds = ds.context("the data is loaded for the digits models")?;
     if kind == ModelKind::Cnn && !cnn_fits(ds.width) {
         bail!(
             "the cnn needs square images with a side divisible by 4; the data has {} features (leave out \
@@ -486,17 +376,54 @@ fn make_task(kind: ModelKind, a: &Args) -> Result<Task> {
             ds.width
         );
     }
-    let (train, test) = data::split_standardise(&ds, 0.2, a.seed);
+    let (train, test) = data::split_standardise(ds, 0.2, a.seed);
     if test.len() == 0 || train.len() == 0 {
         bail!("the data has {} rows: too few for a 20% held-out split", ds.len());
     }
-    Ok(Task::Digits { train, test, classes })
+    Ok(Task::Digits {
+        train,
+        test,
+        classes: ds.classes(),
+    })
+}
+
+/// Checks the flags against the models; a usage error exits with status 2.
+fn check_models(a: &Args) {
+    match args::check_models(a) {
+        Ok(warnings) => warnings.iter().for_each(|w| eprintln!("warning: {w}")),
+        Err(e) => {
+            eprintln!("Error: {e}");
+            std::process::exit(2);
+        }
+    }
 }
 
 fn main() -> Result<()> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
-    let mut a = parse_args()?;
-    models_for_data(&mut a)?;
+    let mut a = match args::parse(std::env::args().skip(1)) {
+        Ok(Parsed::Run(a)) => *a,
+        Ok(Parsed::Help) => {
+            println!("{}", args::usage());
+            return Ok(());
+        }
+        Err(e) => {
+            eprintln!("Error: {e}");
+            std::process::exit(2);
+        }
+    };
+    // With --model given, the flags are checked before the data is read.
+    if a.models_given {
+        check_models(&a);
+    }
+    let ds = if a.data.is_some() || a.models.iter().any(|&k| k != ModelKind::Transformer) {
+        Some(load_data(&a)?)
+    } else {
+        None
+    };
+    if let (false, Some(ds)) = (a.models_given, &ds) {
+        models_for_data(&mut a, ds.width);
+        check_models(&a);
+    }
     // Output paths are checked before the first step, not after a long run.
     if let Some(dir) = &a.save {
         check_writable("--save", dir)?;
@@ -507,13 +434,13 @@ fn main() -> Result<()> {
     if let Some(dir) = &a.doctor {
         check_writable("--doctor", dir)?;
     }
+    // Every checkpoint is loaded and checked before training anything, once (a recovery
+    // from a damaged LATEST is logged once).
+    let mut resumed = std::collections::HashMap::new();
     if let Some(root) = &a.resume {
-        // Verify every checkpoint before training anything.
         for &kind in &a.models {
             for &level in &a.levels {
-                let dir = run_dir(root, kind, level, a.half);
-                dir.load()
-                    .with_context(|| format!("resuming {} {level} from {}", kind.name(), dir.root().display()))?;
+                resumed.insert((kind, level), load_resumed(root, kind, level, &a)?);
             }
         }
     }
@@ -525,14 +452,15 @@ fn main() -> Result<()> {
     let tasks = a
         .models
         .iter()
-        .map(|&k| Ok((k, make_task(k, &a)?)))
+        .map(|&k| Ok((k, make_task(k, ds.as_ref(), &a)?)))
         .collect::<Result<Vec<_>>>()?;
     for (kind, task) in &tasks {
         let (kind, task) = (*kind, task);
         let mut runs = Vec::new();
         for &level in &a.levels {
-            let r = train_one(kind, task, level, &a)?;
+            let r = train_one(kind, task, level, &a, resumed.remove(&(kind, level)))?;
             if a.json {
+                let transformer = kind == ModelKind::Transformer;
                 let mut line = serde_json::json!({
                     "model": kind.name(),
                     "opt_level": r.level.to_string(),
@@ -546,6 +474,8 @@ fn main() -> Result<()> {
                     "skipped_steps": r.skipped,
                     "final_loss_scale": r.final_scale,
                     "step_ms": r.step_ms,
+                    "checkpoint_segments": a.checkpoint.filter(|_| transformer),
+                    "ffn_chunk": a.ffn_chunk.filter(|_| transformer),
                 });
                 if r.level == amp::OptLevel::O1 {
                     line["autocast_ops"] = r.autocast_ops.into();
@@ -553,7 +483,7 @@ fn main() -> Result<()> {
                 println!("{line}");
             }
             table.push_str(&format!(
-                "{:<12} {:<6} {:<5} {:<6} {:>10.4} {:>10.4} {:>8.2}% {:>8} {:>12} {:>8.3}\n",
+                "{:<12} {:<6} {:<5} {:<6} {:>10.4} {:>10.4} {:>8.2}% {:>8} {:>12} {:>8}\n",
                 kind.name(),
                 r.level.to_string(),
                 half_label(r.level, a.half),
@@ -563,7 +493,7 @@ fn main() -> Result<()> {
                 r.accuracy * 100.0,
                 r.skipped,
                 r.final_scale,
-                r.step_ms
+                r.step_ms.map_or("-".into(), |t| format!("{t:.3}"))
             ));
             runs.push(r);
         }

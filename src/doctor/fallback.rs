@@ -16,7 +16,8 @@ pub(crate) fn is_layer(name: &str) -> bool {
 /// The switches to make after an observed step: (layer, to f32).
 pub(crate) fn decide(cfg: &DoctorConfig, st: &mut RecState) -> Vec<(String, bool)> {
     let mut out = Vec::new();
-    let step = st.step;
+    // 1-based, as the report's loss-scale points (`st.step` counts the backwards before this one).
+    let step = st.step + 1;
     for ((name, _, _), a) in st.tensors.iter_mut() {
         if a.kind != TensorKind::Activation || !is_layer(name) || a.window.len() < cfg.window {
             continue;

@@ -23,7 +23,8 @@ pub(crate) const MAX_EVENTS: usize = 256;
 /// One switch of the automatic fallback.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SwitchEvent {
-    /// The doctor's step (backward passes since it was attached) at which it switched.
+    /// The doctor's step at which it switched: backward passes since it was attached,
+    /// counting from 1 (as the `train` example's progress lines).
     pub step: u64,
     /// The layer (its VarBuilder path).
     pub layer: String,
@@ -143,7 +144,8 @@ pub(crate) struct State {
     pub forward_bad: bool,
     /// This step: whether a gradient was non-finite (root found).
     pub grad_bad: bool,
-    /// Loss scale after each backward, thinned to stay bounded: (step, scale, skipped).
+    /// Loss scale after each backward, thinned to stay bounded: (step counting from 1,
+    /// scale, skipped).
     pub scales: Vec<(u64, f32, bool)>,
     pub scale_stride: u64,
     /// Parameters whose raw gradient was non-finite with a finite forward, by (loss,
@@ -506,7 +508,7 @@ impl Observer for Recorder {
         // The loss scale over the steps, thinned (every other point dropped, the stride
         // doubled) whenever it reaches the configured length.
         if state.step.is_multiple_of(state.scale_stride) || info.found_inf {
-            state.scales.push((state.step, info.scale, info.found_inf));
+            state.scales.push((state.step + 1, info.scale, info.found_inf));
             if state.scales.len() >= self.cfg.history.max(2) {
                 let mut kept: Vec<_> = state
                     .scales

@@ -90,7 +90,8 @@ impl TensorReport {
 /// One point of the loss scale's history.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct ScalePoint {
-    /// The doctor's step.
+    /// The doctor's step: backward passes since it was attached, counting from 1 (as the
+    /// `train` example's progress lines).
     pub step: u64,
     /// The scale the backward ran at.
     #[serde(with = "crate::serde_f32")]
