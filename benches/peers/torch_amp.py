@@ -1,15 +1,28 @@
 #!/usr/bin/env python3
 """The bench example's models in PyTorch, for comparison: fp32 and autocast.
 
-Same model (64-1024-1024-10, ReLU), data (the repository's digits, standardised with the
-training split's statistics), batch (512) and optimizer (AdamW, lr 1e-3, weight decay 0.01)
-as `cargo run --release --example bench`. Runs the two modes in interleaved rounds and
-prints one JSON object on stdout (progress on stderr):
+On the CPU (the default) it runs the bench example's MLP and its three transformers
+(`examples/bench/measure.rs`, `transformers`: example, memory, mid), each in fp32 and
+`autocast(bfloat16)` with `--threads` threads (1), and prints one JSON object on stdout
+(progress on stderr):
 
     {"torch": "2.x", "threads": 1, "fp32_step_ms": .., "autocast_bf16_step_ms": ..,
-     "gemm_gflops": {"f32": .., "bf16": ..}}
+     "gemm_gflops": {"f32": .., "bf16": ..}, "attention": "sdpa",
+     "models": {"mlp": {"hidden": 1024, "batch": 512, "fp32_step_ms": .., "autocast_bf16_step_ms": ..},
+                "example": {"layers": 2, "d_model": 64, "heads": 4, "context": 16, "vocab": 11,
+                            "batch": 32, "fp32_step_ms": .., "autocast_bf16_step_ms": ..},
+                "memory": {..}, "mid": {..}}}
 
-Usage: python3 benches/peers/torch_amp.py [--threads N] [--steps N] [--rounds N]
+The top-level step times are the MLP's: 64-1024-1024-10, ReLU, the repository's digits
+(standardised with the training split's statistics), batch 512, AdamW (lr 1e-3, weight
+decay 0.01), both modes in interleaved rounds. The transformers are the Rust model
+(`examples/train/models.rs`: pre-norm, erf GELU, dropout 0.1 on the residual branches,
+learned positions, untied head) on random tokens with the same AdamW, two interleaved rounds
+of a warm-up step and as many timed steps as the bench times. `--quick` uses the bench's
+`--quick` sizes; `--mlp-only` skips the transformers. If torch cannot be imported it says so
+on stderr and exits with status 3 (`bench --torch` then omits the PyTorch ratios).
+
+Usage: python3 benches/peers/torch_amp.py [--threads N] [--steps N] [--rounds N] [--quick]
 
 With `--device cuda` (or `--gpu-model`) it runs the GPU bench's transformer instead
 (`cargo run --release --features cuda --example bench -- --device cuda`): GPT-2 small (12
@@ -29,9 +42,9 @@ Attention is `F.scaled_dot_product_attention` (the fused kernel a PyTorch user g
 `--math-attention` writes it out as matmul, mask and softmax, as candle-amp computes it.
 `--device cpu --gpu-model tiny` runs the tiny sizes on the CPU.
 
-Pass the output to the bench example (`--torch FILE`) to get the PyTorch ratios in its
-targets (the GPU bench checks the sizes and batch match). Needs torch (`pip install
-torch`); never run in CI.
+`cargo run --release --example bench -- --torch` runs the CPU comparison itself; `--torch
+FILE` reads a saved output instead (the bench checks the sizes, batch and threads match, as
+the GPU bench does for its transformer). Needs torch (`pip install torch`); never run in CI.
 """
 
 import argparse
@@ -56,12 +69,68 @@ def load_digits(path):
     return xs, ys
 
 
+# The exit status when torch cannot be imported (the bench says so and omits the ratios).
+NO_TORCH = 3
+
 # The GPU bench's transformer sizes (examples/bench/gpu.rs, GpuModel::config).
 SIZES = {
     "gpt2": {"layers": 12, "d_model": 768, "heads": 12, "context": 1024, "vocab": 50257},
     "tiny": {"layers": 2, "d_model": 64, "heads": 4, "context": 32, "vocab": 256},
 }
 DEFAULT_BATCH = {"gpt2": 8, "tiny": 4}
+
+
+def gpt_class(torch, sz, dropout, math_attention):
+    """The transformer of the bench (examples/train/models.rs): token and learned position
+    embeddings, pre-norm blocks (causal attention, erf-GELU feed-forward of width 4d, dropout
+    on each residual branch), a final layer norm and an untied head."""
+    import torch.nn.functional as F
+
+    d, heads, ctx, vocab = sz["d_model"], sz["heads"], sz["context"], sz["vocab"]
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1 = torch.nn.LayerNorm(d, eps=1e-5)
+            self.q, self.k, self.v, self.o = (torch.nn.Linear(d, d) for _ in range(4))
+            self.ln2 = torch.nn.LayerNorm(d, eps=1e-5)
+            self.up = torch.nn.Linear(d, 4 * d)
+            self.down = torch.nn.Linear(4 * d, d)
+            self.drop = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
+
+        def split(self, x):
+            b, t, _ = x.shape
+            return x.view(b, t, heads, d // heads).transpose(1, 2)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            h = self.ln1(x)
+            q, k, v = self.split(self.q(h)), self.split(self.k(h)), self.split(self.v(h))
+            if math_attention:
+                s = (q @ k.transpose(-2, -1)) * (1.0 / (d // heads) ** 0.5)
+                mask = torch.full((t, t), float("-inf"), device=x.device).triu(1)
+                att = torch.softmax(s.float() + mask, dim=-1).to(v.dtype) @ v
+            else:
+                att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.drop(self.o(att.transpose(1, 2).reshape(b, t, d)))
+            return x + self.drop(self.down(F.gelu(self.up(self.ln2(x)))))
+
+    class Gpt(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = torch.nn.Embedding(vocab, d)
+            self.pos = torch.nn.Parameter(torch.randn(ctx, d) * 0.02)
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(sz["layers"]))
+            self.ln = torch.nn.LayerNorm(d, eps=1e-5)
+            self.head = torch.nn.Linear(d, vocab)
+
+        def forward(self, ids):
+            x = self.tok(ids) + self.pos[: ids.shape[1]]
+            for blk in self.blocks:
+                x = blk(x)
+            return self.head(self.ln(x))
+
+    return Gpt
 
 
 def transformer(a):
@@ -80,46 +149,7 @@ def transformer(a):
     batch = a.gpu_batch or DEFAULT_BATCH[a.gpu_model]
     d, heads, ctx, vocab = sz["d_model"], sz["heads"], sz["context"], sz["vocab"]
 
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln1 = torch.nn.LayerNorm(d, eps=1e-5)
-            self.q, self.k, self.v, self.o = (torch.nn.Linear(d, d) for _ in range(4))
-            self.ln2 = torch.nn.LayerNorm(d, eps=1e-5)
-            self.up = torch.nn.Linear(d, 4 * d)
-            self.down = torch.nn.Linear(4 * d, d)
-
-        def split(self, x):
-            b, t, _ = x.shape
-            return x.view(b, t, heads, d // heads).transpose(1, 2)
-
-        def forward(self, x):
-            b, t, _ = x.shape
-            h = self.ln1(x)
-            q, k, v = self.split(self.q(h)), self.split(self.k(h)), self.split(self.v(h))
-            if a.math_attention:
-                s = (q @ k.transpose(-2, -1)) * (1.0 / (d // heads) ** 0.5)
-                mask = torch.full((t, t), float("-inf"), device=x.device).triu(1)
-                att = torch.softmax(s.float() + mask, dim=-1).to(v.dtype) @ v
-            else:
-                att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + self.o(att.transpose(1, 2).reshape(b, t, d))
-            return x + self.down(F.gelu(self.up(self.ln2(x))))
-
-    class Gpt(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.tok = torch.nn.Embedding(vocab, d)
-            self.pos = torch.nn.Parameter(torch.randn(ctx, d) * 0.02)
-            self.blocks = torch.nn.ModuleList(Block() for _ in range(sz["layers"]))
-            self.ln = torch.nn.LayerNorm(d, eps=1e-5)
-            self.head = torch.nn.Linear(d, vocab)
-
-        def forward(self, ids):
-            x = self.tok(ids) + self.pos[: ids.shape[1]]
-            for blk in self.blocks:
-                x = blk(x)
-            return self.head(self.ln(x))
+    Gpt = gpt_class(torch, sz, dropout=0.0, math_attention=a.math_attention)
 
     g = torch.Generator().manual_seed(5)
     batches = []
@@ -188,6 +218,8 @@ def main():
     ap.add_argument("--gpu-model", choices=tuple(SIZES), default=None,
                     help="the GPU bench's transformer sizes (implied gpt2 with --device cuda)")
     ap.add_argument("--gpu-batch", type=int, default=None, help="sequences per transformer step")
+    ap.add_argument("--quick", action="store_true", help="the bench's --quick sizes (a smoke test)")
+    ap.add_argument("--mlp-only", action="store_true", help="the MLP alone (no CPU transformers)")
     ap.add_argument("--math-attention", action="store_true",
                     help="attention as matmul, mask and softmax instead of the fused SDPA kernel")
     a = ap.parse_args()
@@ -196,11 +228,31 @@ def main():
         a.steps = 10 if a.steps is None else a.steps
         transformer(a)
         return
+    if a.quick:
+        a.hidden, a.batch, a.rounds = 128, 64, 1
+        a.steps = 3 if a.steps is None else a.steps
     a.steps = 20 if a.steps is None else a.steps
-
-    import torch
-
+    try:
+        import torch
+    except ImportError as e:
+        print(f"torch_amp.py: {sys.executable} cannot import torch ({e}); pip install torch", file=sys.stderr)
+        sys.exit(NO_TORCH)
     torch.set_num_threads(a.threads)
+    out = {"torch": torch.__version__, "threads": a.threads}
+    out.update(mlp(a, torch))
+    models = {"mlp": {"hidden": a.hidden, "batch": a.batch, "fp32_step_ms": out["fp32_step_ms"],
+                      "autocast_bf16_step_ms": out["autocast_bf16_step_ms"]}}
+    if not a.mlp_only:
+        for name, sz, batch, steps in cpu_transformers(a.quick):
+            models[name] = cpu_transformer(a, torch, name, sz, batch, steps)
+        out["attention"] = "math" if a.math_attention else "sdpa"
+        out["models"] = models
+    print(json.dumps(out))
+
+
+def mlp(a, torch):
+    """The bench MLP in fp32 and autocast bf16, in interleaved rounds: its step times and the
+    1024^3 product's GFLOP/s."""
     torch.manual_seed(0)
     here = os.path.dirname(os.path.abspath(__file__))
     xs, ys = load_digits(os.path.join(here, "..", "..", "data", "digits.csv.gz"))
@@ -266,14 +318,69 @@ def main():
             t.append(time.perf_counter() - t0)
         return 2 * n**3 / statistics.median(t) / 1e9
 
-    out = {
-        "torch": torch.__version__,
-        "threads": a.threads,
+    return {
         "fp32_step_ms": statistics.median(times["fp32"]) * 1e3,
         "autocast_bf16_step_ms": statistics.median(times["bf16"]) * 1e3,
         "gemm_gflops": {"f32": gflops(torch.float32), "bf16": gflops(torch.bfloat16)},
     }
-    print(json.dumps(out))
+
+
+def cpu_transformers(quick):
+    """The CPU bench's transformers (examples/bench/measure.rs, `transformers`): name, sizes,
+    batch and timed steps per round (the Rust side times as many)."""
+    example = {"layers": 2, "d_model": 64, "heads": 4, "context": 16, "vocab": 11}
+    if quick:
+        mid = dict(example, vocab=64, heads=8)
+        return [("example", example, 32, 3), ("memory", example, 8, 1), ("mid", mid, 4, 1)]
+    memory = {"layers": 4, "d_model": 256, "heads": 4, "context": 64, "vocab": 11}
+    mid = {"layers": 6, "d_model": 512, "heads": 8, "context": 128, "vocab": 1024}
+    return [("example", example, 32, 20), ("memory", memory, 64, 3), ("mid", mid, 16, 3)]
+
+
+def cpu_transformer(a, torch, name, sz, batch, steps):
+    """One CPU transformer in fp32 and autocast bf16 (dropout 0.1, AdamW lr 1e-3, weight
+    decay 0.01, random tokens), `a.rounds` interleaved rounds of a warm-up step and `steps`
+    timed ones per mode: its sizes and median step times."""
+    import torch.nn.functional as F
+
+    Gpt = gpt_class(torch, sz, dropout=0.1, math_attention=a.math_attention)
+    g = torch.Generator().manual_seed(1)
+    vocab, ctx = sz["vocab"], sz["context"]
+    batches = []
+    for _ in range(2):
+        seq = torch.randint(0, vocab, (batch, ctx + 1), generator=g)
+        batches.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
+
+    def make():
+        torch.manual_seed(0)
+        model = Gpt()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+
+    def run(half, model, opt):
+        times = []
+        for i in range(1 + steps):
+            x, y = batches[i % len(batches)]
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=half):
+                logits = model(x)
+                loss = F.cross_entropy(logits.float().view(-1, vocab), y.view(-1))
+            loss.backward()
+            opt.step()
+            if i > 0:  # the first step of a round warms up
+                times.append(time.perf_counter() - t0)
+        return times
+
+    built = {m: make() for m in ("fp32", "bf16")}
+    times = {"fp32": [], "bf16": []}
+    rounds = max(1, min(a.rounds, 2))
+    for r in range(rounds):
+        for m in ("fp32", "bf16"):
+            print(f"{name} transformer round {r + 1}/{rounds} {m} ...", file=sys.stderr)
+            times[m] += run(m == "bf16", *built[m])
+    return dict(sz, batch=batch,
+                fp32_step_ms=statistics.median(times["fp32"]) * 1e3,
+                autocast_bf16_step_ms=statistics.median(times["bf16"]) * 1e3)
 
 
 if __name__ == "__main__":

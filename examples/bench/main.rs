@@ -1,7 +1,7 @@
 //! Speed and memory of mixed precision on this machine, as ratios from one run.
 //!
 //! `cargo run --release --example bench -- [--json] [--threads N] [--steps N] [--quick]
-//! [--isa TIER] [--mallopt] [--kernels-only] [--torch FILE]`
+//! [--isa TIER] [--mallopt] [--kernels-only] [--torch [FILE]]`
 //!
 //! `... --device cuda [--gpu-model gpt2|tiny] [--gpu-batch N] [--steps N] [--torch FILE]`
 //! runs the GPU bench instead (`gpu.rs`, built with `--features cuda`): O0 to O3 in f16 and
@@ -13,12 +13,14 @@
 //! kernel bandwidths over 64 MiB buffers (GB/s counts bytes read plus bytes written), the
 //! 1024^3 matrix product per type, the median training step of the MLP 64-1024-1024-10
 //! (batch 512, AdamW, digits) at every level and half type and of a plain candle f32 loop,
-//! the median step of the train example's transformer, and the peak allocated memory of one
-//! step of a larger transformer (4 blocks, width 256, context 64, batch 64; a counting
-//! allocator). Gradient checkpointing and chunked feed-forward on an 8-block transformer at O2
-//! f16 (width 128, context 64, batch 32): `checkpoint_peak_ratio`, `checkpoint_time_ratio`
-//! and `chunk_peak_ratio` against the same model without them, details under
-//! `memory_savers`.
+//! and of three transformers (`measure::transformers`): the train example's (2 blocks,
+//! width 64), the memory transformer (4 blocks, width 256, context 64, batch 64), whose
+//! peak allocated memory of one step is also measured (a counting allocator), and a
+//! mid-size one a CPU user would train (6 blocks, width 512, 8 heads, context 128, batch 16,
+//! vocabulary 1024). Gradient checkpointing and chunked feed-forward on an 8-block
+//! transformer at O2 f16 (width 128, context 64, batch 32): `checkpoint_peak_ratio`,
+//! `checkpoint_time_ratio` and `chunk_peak_ratio` against the same model without them,
+//! details under `memory_savers`.
 //!
 //! What it ran on: `cpu` (the model name in /proc/cpuinfo), `isa` (the tier the kernels
 //! used: `portable`, `avx2`, `avx512`, `avx512bf16`, `amx`), `detected_isa` (the CPU's
@@ -28,15 +30,20 @@
 //! (bytes allocated during one MLP step after the timed ones), `host_syncs_per_step` (host
 //! reads of device values per step: 0 on the CPU path, 1 on the device path, which
 //! `CANDLE_AMP_FORCE_DEVICE_PATH=1` forces on the CPU), `device_path`, `param_bytes` (working
-//! parameters plus f32 masters), `transformer_step_ms` and `peak_mb`. `targets` holds the
+//! parameters plus f32 masters), `transformer_step_ms`, `memory_transformer_step_ms`,
+//! `transformer_mid_step_ms` and `peak_mb`. `targets` holds the
 //! README's targets as `{name, ratio, rule, limit, met}`; missed ones print as `MISS`.
 //!
 //! `--threads N` sets candle's and rayon's thread count (default 1); `--quick` shrinks
 //! everything for a smoke test; `--isa TIER` caps the kernels at a tier (at most the
 //! detected one) so one machine can report each tier it has; `--mallopt` keeps freed memory
 //! in glibc's heap (off by default: the targets are measured with the allocator a program
-//! gets); `--kernels-only` stops after the kernels and products; `--torch FILE` adds the
-//! PyTorch comparison from `benches/peers/torch_amp.py`.
+//! gets); `--kernels-only` stops after the kernels and products. `--torch` runs
+//! `benches/peers/torch_amp.py` first (the MLP and the three transformers in PyTorch, fp32
+//! and autocast bf16, same threads; `python3` from the venv `CANDLE_AMP_TORCH_VENV` names,
+//! else from `PATH`) and adds the ratios to PyTorch to the targets; without torch it says
+//! why on stderr, sets `torch_error` and omits them. `--torch FILE` reads what the script
+//! printed instead.
 
 #[path = "../train/data.rs"]
 #[allow(dead_code)]
@@ -50,6 +57,7 @@ mod doctor;
 mod gpu;
 mod machine;
 mod measure;
+mod peer;
 mod report;
 
 use anyhow::{Context, Result, bail};
@@ -65,7 +73,9 @@ struct Args {
     steps: usize,
     quick: bool,
     kernels_only: bool,
-    torch: Option<String>,
+    /// `--torch`: run `benches/peers/torch_amp.py` (`None` in the option) or read its
+    /// output from a file.
+    torch: Option<Option<String>>,
     isa: Option<String>,
     mallopt: bool,
     /// `--device`: `cpu` (the default) or `cuda`.
@@ -77,7 +87,7 @@ struct Args {
     steps_given: bool,
 }
 
-const USAGE: &str = "usage: bench [--json] [--threads N] [--steps N] [--quick] [--isa TIER] [--mallopt] [--kernels-only] [--torch FILE] [--device cpu|cuda] [--gpu-model gpt2|tiny] [--gpu-batch N]";
+const USAGE: &str = "usage: bench [--json] [--threads N] [--steps N] [--quick] [--isa TIER] [--mallopt] [--kernels-only] [--torch [FILE]] [--device cpu|cuda] [--gpu-model gpt2|tiny] [--gpu-batch N]";
 
 /// Parses the arguments (without the program name); `None` for `-h` / `--help`.
 fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Option<Args>> {
@@ -95,7 +105,7 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Option<Args>> {
         gpu_batch: None,
         steps_given: false,
     };
-    let mut it = args.into_iter();
+    let mut it = args.into_iter().peekable();
     while let Some(f) = it.next() {
         match f.as_str() {
             "-h" | "--help" => return Ok(None),
@@ -108,7 +118,8 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Option<Args>> {
                 a.steps = it.next().context("--steps N")?.parse()?;
                 a.steps_given = true;
             }
-            "--torch" => a.torch = Some(it.next().context("--torch FILE")?),
+            // A flag, or with a file (any next argument that is not a flag).
+            "--torch" => a.torch = Some(it.next_if(|n| !n.starts_with("--"))),
             "--isa" => a.isa = Some(it.next().context("--isa TIER")?),
             "--device" => a.device = it.next().context("--device cpu|cuda")?,
             "--gpu-model" => a.gpu_model = Some(it.next().context("--gpu-model gpt2|tiny")?),
@@ -126,9 +137,6 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Option<Args>> {
     if !gpu && a.gpu_batch.is_some() {
         bail!("--gpu-batch sets the GPU bench's batch; add --device cuda or --gpu-model");
     }
-    if a.quick && a.torch.is_some() {
-        bail!("--torch compares the full-size MLP; drop --quick");
-    }
     Ok(Some(a))
 }
 
@@ -139,7 +147,10 @@ fn gpu_main(a: &Args) -> Result<()> {
     let batch = a.gpu_batch.unwrap_or(model.default_batch());
     // Read the PyTorch figures first: a bad file fails before minutes of measuring.
     let torch = match &a.torch {
-        Some(path) => Some(gpu::read_torch(path, &device, model, batch)?),
+        Some(Some(path)) => Some(gpu::read_torch(path, &device, model, batch)?),
+        Some(None) => bail!(
+            "--torch without a file runs the CPU comparison; for the GPU bench pass the file `benches/peers/torch_amp.py --device cuda` printed"
+        ),
         None => None,
     };
     let b = gpu::GpuBench {
@@ -173,16 +184,23 @@ fn main() -> Result<()> {
     if a.device != "cpu" || a.gpu_model.is_some() {
         return gpu_main(&a);
     }
-    let (mib, reps, gsize, hidden, batch) = if a.quick {
-        (4, 3, 256, 128, 64)
-    } else {
-        (64, 7, 1024, 1024, 512)
-    };
+    let (mib, reps, gsize) = if a.quick { (4, 3, 256) } else { (64, 7, 1024) };
+    let (hidden, batch) = measure::mlp_size(a.quick);
     let steps = if a.quick { 3 } else { a.steps };
 
-    // Read the PyTorch figures first: a bad file fails before minutes of measuring.
+    let mut torch_error = None;
+    // The PyTorch figures first: a bad file fails before minutes of measuring, and a
+    // missing torch is said before them (the run goes on without the PyTorch ratios).
     let torch = match &a.torch {
-        Some(path) => Some(report::read_torch(path, a.threads)?),
+        Some(Some(path)) => Some(peer::read_torch(path, a.threads, a.quick)?),
+        Some(None) => match peer::run_torch(a.threads, a.quick) {
+            Ok(v) => Some(v),
+            Err(e) => {
+                eprintln!("bench --torch: {e}; the PyTorch ratios are omitted");
+                torch_error = Some(e.to_string());
+                None
+            }
+        },
         None => None,
     };
     let mut out = machine::describe(mallopt);
@@ -196,19 +214,19 @@ fn main() -> Result<()> {
         eprintln!("{which}: {:.2} ms, {} bytes allocated per step", r.ms, r.alloc_bytes);
         return Ok(());
     }
+    // BENCH_TRANSFORMER=O2:bf16 runs the example transformer alone; MODEL:O2:bf16 picks
+    // another of `measure::transformers` (`memory`, `mid`).
     if let Ok(which) = std::env::var("BENCH_TRANSFORMER") {
-        let (l, h) = which.split_once(':').context("BENCH_TRANSFORMER=LEVEL:HALF")?;
-        let c = models::TransformerConfig {
-            vocab: 11,
-            context: 16,
-            d_model: 64,
-            heads: 4,
-            layers: 2,
-            dropout: 0.1,
-            checkpoint: 0,
-            ffn_chunk: 0,
+        let (name, lh) = match which.matches(':').count() {
+            2 => which.split_once(':').context("BENCH_TRANSFORMER=[MODEL:]LEVEL:HALF")?,
+            _ => ("example", which.as_str()),
         };
-        let (ms, _) = transformer(l.parse()?, h.parse()?, c, 32, steps)?;
+        let (l, h) = lh.split_once(':').context("BENCH_TRANSFORMER=[MODEL:]LEVEL:HALF")?;
+        let (_, c, batch) = measure::transformers(a.quick)
+            .into_iter()
+            .find(|(n, ..)| *n == name)
+            .context("BENCH_TRANSFORMER: MODEL is example, memory or mid")?;
+        let (ms, _) = transformer(l.parse()?, h.parse()?, c, batch, steps)?;
         eprintln!("transformer {which}: {ms:.2} ms");
         return Ok(());
     }
@@ -247,35 +265,18 @@ fn main() -> Result<()> {
 
     eprintln!("plain candle f32 MLP ...");
     out["plain_candle_f32_step_ms"] = json!(measure::plain_candle_step_ms(hidden, &data)?);
-    let small = models::TransformerConfig {
-        vocab: 11,
-        context: 16,
-        d_model: 64,
-        heads: 4,
-        layers: 2,
-        dropout: 0.1,
-        checkpoint: 0,
-        ffn_chunk: 0,
-    };
-    let big = models::TransformerConfig {
-        vocab: 11,
-        context: if a.quick { 16 } else { 64 },
-        d_model: if a.quick { 64 } else { 256 },
-        heads: 4,
-        layers: if a.quick { 2 } else { 4 },
-        dropout: 0.1,
-        checkpoint: 0,
-        ffn_chunk: 0,
-    };
-    let big_batch = if a.quick { 8 } else { 64 };
+    let [(_, small, small_batch), (_, big, big_batch), (_, mid, mid_batch)] = measure::transformers(a.quick);
+    // The larger models get fewer timed steps: a mid step takes seconds on one thread.
+    let (big_reps, mid_reps) = if a.quick { (1, 1) } else { (3, a.steps.min(3)) };
     let mut levels = serde_json::Map::new();
     for level in OptLevel::ALL {
         let mut per_half = serde_json::Map::new();
         for half in [HalfType::F16, HalfType::Bf16] {
             eprintln!("{level} {half} ...");
             let mlp = mlp_step(level, half, hidden, &data)?;
-            let (transformer_step_ms, _) = transformer(level, half, small, 32, steps)?;
-            let (_, peak_mb) = transformer(level, half, big, big_batch, 1)?;
+            let (transformer_step_ms, _) = transformer(level, half, small, small_batch, steps)?;
+            let (memory_ms, peak_mb) = transformer(level, half, big, big_batch, big_reps)?;
+            let mid_ms = measure::transformer_ms(level, half, mid, mid_batch, mid_reps)?;
             per_half.insert(
                 half.to_string(),
                 json!({
@@ -285,6 +286,8 @@ fn main() -> Result<()> {
                     "host_syncs_per_step": mlp.host_syncs_per_step,
                     "device_path": mlp.device_path,
                     "transformer_step_ms": transformer_step_ms,
+                    "memory_transformer_step_ms": memory_ms,
+                    "transformer_mid_step_ms": mid_ms,
                     "peak_mb": peak_mb,
                 }),
             );
@@ -301,6 +304,9 @@ fn main() -> Result<()> {
     out["doctor_overhead"] = json!(doctor::doctor_overhead(hidden, &data, if a.quick { 2 } else { 9 })?);
     if let Some(t) = torch {
         out["torch"] = t;
+    }
+    if let Some(e) = torch_error {
+        out["torch_error"] = json!(e);
     }
     out["targets"] = report::targets(&out);
 

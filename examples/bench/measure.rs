@@ -229,8 +229,21 @@ pub fn plain_candle_step_ms(hidden: usize, data: &[(Tensor, Tensor)]) -> Result<
     Ok(s * 1e3)
 }
 
-/// A batch of the reversal task: `[x_0..x_{t/2-1}, SEP, reversed]`, next tokens as targets.
-fn seq_batch(rng: &mut impl Rng, batch: usize, context: usize) -> Result<(Tensor, Tensor)> {
+/// A batch for a transformer of vocabulary `vocab`: the reversal task `[x_0..x_{t/2-1}, SEP,
+/// reversed]` with next tokens as targets when `vocab` is the train example's 11 (digits and
+/// SEP), else uniform random tokens (the time of a step does not depend on what it learns).
+fn seq_batch(rng: &mut impl Rng, batch: usize, context: usize, vocab: usize) -> Result<(Tensor, Tensor)> {
+    let dev = Device::Cpu;
+    if vocab != 11 {
+        let seq: Vec<u32> = (0..batch * (context + 1))
+            .map(|_| rng.random_range(0..vocab as u32))
+            .collect();
+        let s = Tensor::from_vec(seq, (batch, context + 1), &dev)?;
+        return Ok((
+            s.narrow(1, 0, context)?.contiguous()?,
+            s.narrow(1, 1, context)?.contiguous()?,
+        ));
+    }
     let half = context / 2;
     let mut inp = Vec::with_capacity(batch * context);
     let mut tgt = Vec::with_capacity(batch * context);
@@ -242,7 +255,6 @@ fn seq_batch(rng: &mut impl Rng, batch: usize, context: usize) -> Result<(Tensor
         inp.extend_from_slice(&s[..context]);
         tgt.extend_from_slice(&s[1..context + 1]);
     }
-    let dev = Device::Cpu;
     Ok((
         Tensor::from_vec(inp, (batch, context), &dev)?,
         Tensor::from_vec(tgt, (batch, context), &dev)?,
@@ -259,6 +271,29 @@ pub fn transformer(
     batch: usize,
     reps: usize,
 ) -> Result<(f64, f64)> {
+    transformer_run(level, half, c, batch, reps, true)
+}
+
+/// Median training step of a transformer (ms) after one warm-up step, without the two steps
+/// `transformer` spends on the peak: for models whose steps take seconds.
+pub fn transformer_ms(
+    level: OptLevel,
+    half: HalfType,
+    c: models::TransformerConfig,
+    batch: usize,
+    reps: usize,
+) -> Result<f64> {
+    Ok(transformer_run(level, half, c, batch, reps, false)?.0)
+}
+
+fn transformer_run(
+    level: OptLevel,
+    half: HalfType,
+    c: models::TransformerConfig,
+    batch: usize,
+    reps: usize,
+    with_peak: bool,
+) -> Result<(f64, f64)> {
     let cfg = AmpConfig::new(level).half(half).verbosity(0);
     let amp = amp::Amp::new(cfg, &Device::Cpu)?;
     let dropout = amp.generator("dropout");
@@ -267,7 +302,7 @@ pub fn transformer(
     let mut opt = amp.optimizer(adamw()?)?;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
     let batches: Vec<_> = (0..reps + 2)
-        .map(|_| seq_batch(&mut rng, batch, c.context))
+        .map(|_| seq_batch(&mut rng, batch, c.context, c.vocab))
         .collect::<Result<_>>()?;
     let mut i = 0;
     let mut step = |measure: bool| -> Result<isize> {
@@ -286,8 +321,12 @@ pub fn transformer(
         opt.zero_grad();
         Ok(if measure { counting::peak() - before } else { 0 })
     };
-    step(false)?;
-    let peak = step(true)? as f64 / (1 << 20) as f64;
+    let peak = if with_peak {
+        step(false)?;
+        step(true)? as f64 / (1 << 20) as f64
+    } else {
+        f64::NAN
+    };
     let s = median_s(reps, || step(false).map(|_| ()))?;
     Ok((s * 1e3, peak))
 }
@@ -357,11 +396,62 @@ fn inference_peaks(c: models::TransformerConfig, batch: usize, chunk: usize) -> 
         let cfg = models::TransformerConfig { ffn_chunk, ..c };
         let model = amp.model(|vb| models::Transformer::new(vb, cfg, dropout, None))?;
         model.eval();
-        let (x, _) = seq_batch(&mut rand_chacha::ChaCha8Rng::seed_from_u64(3), batch, c.context)?;
+        let (x, _) = seq_batch(
+            &mut rand_chacha::ChaCha8Rng::seed_from_u64(3),
+            batch,
+            c.context,
+            c.vocab,
+        )?;
         drop(model.forward(&x)?);
         let before = counting::reset_peak();
         drop(model.forward(&x)?);
         peaks.push((counting::peak() - before) as f64 / (1 << 20) as f64);
     }
     Ok((peaks[0], peaks[1]))
+}
+
+/// The bench's three transformers and their batches: `example` (the train example's: 2
+/// blocks, width 64, context 16, batch 32), `memory` (activations outweigh weights: 4
+/// blocks, width 256, context 64, batch 64) and `mid` (a model a CPU user would train: 6
+/// blocks, width 512, 8 heads, context 128, vocabulary 1024, batch 16). `quick` shrinks the
+/// last two for a smoke test. `benches/peers/torch_amp.py` has the same table.
+pub fn transformers(quick: bool) -> [(&'static str, models::TransformerConfig, usize); 3] {
+    let base = models::TransformerConfig {
+        vocab: 11,
+        context: 16,
+        d_model: 64,
+        heads: 4,
+        layers: 2,
+        dropout: 0.1,
+        checkpoint: 0,
+        ffn_chunk: 0,
+    };
+    let memory = models::TransformerConfig {
+        context: 64,
+        d_model: 256,
+        layers: 4,
+        ..base
+    };
+    let mid = models::TransformerConfig {
+        vocab: 1024,
+        context: 128,
+        d_model: 512,
+        heads: 8,
+        layers: 6,
+        ..base
+    };
+    if quick {
+        let mid = models::TransformerConfig {
+            vocab: 64,
+            heads: 8,
+            ..base
+        };
+        return [("example", base, 32), ("memory", base, 8), ("mid", mid, 4)];
+    }
+    [("example", base, 32), ("memory", memory, 64), ("mid", mid, 16)]
+}
+
+/// The bench MLP's hidden width and batch (`quick`: the smoke test's).
+pub fn mlp_size(quick: bool) -> (usize, usize) {
+    if quick { (128, 64) } else { (1024, 512) }
 }

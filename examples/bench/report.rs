@@ -1,6 +1,5 @@
 //! What the bench prints: the table on stderr and the targets as ratios from this run.
 
-use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
 pub fn print_table(o: &Value) {
@@ -47,12 +46,42 @@ pub fn print_table(o: &Value) {
             );
         }
     }
+    let m0 = f(&o["levels"]["O0"]["f16"]["memory_transformer_step_ms"]);
+    let d0 = f(&o["levels"]["O0"]["f16"]["transformer_mid_step_ms"]);
+    eprintln!(
+        "{:<6} {:<5} {:>12} {:>9} {:>12} {:>9}",
+        "level", "half", "memory_ms", "vs O0", "mid_ms", "vs O0"
+    );
+    for level in ["O0", "O1", "O2", "O3"] {
+        for half in ["f16", "bf16"] {
+            let r = &o["levels"][level][half];
+            let (m, d) = (f(&r["memory_transformer_step_ms"]), f(&r["transformer_mid_step_ms"]));
+            eprintln!(
+                "{level:<6} {half:<5} {m:>12.2} {:>8.2}x {d:>12.2} {:>8.2}x",
+                m / m0,
+                d / d0
+            );
+        }
+    }
+    if let Some(models) = o["torch"]["models"].as_object() {
+        eprintln!(
+            "PyTorch {} (ms): fp32 / autocast bf16",
+            o["torch"]["torch"].as_str().unwrap_or("?")
+        );
+        for (name, m) in models {
+            eprintln!(
+                "  {name:<8} {:>10.2} / {:>10.2}",
+                f(&m["fp32_step_ms"]),
+                f(&m["autocast_bf16_step_ms"])
+            );
+        }
+    }
     let targets = o["targets"].as_array().cloned().unwrap_or_default();
     if !targets.is_empty() {
         eprintln!("\ntargets (ratio from this run, one line each):");
         for t in &targets {
             eprintln!(
-                "  {:<4} {:<52} {:>6.2} {} {:.2}",
+                "  {:<4} {:<64} {:>6.2} {} {:.2}",
                 if t["met"].as_bool() == Some(true) {
                     "met"
                 } else {
@@ -67,26 +96,14 @@ pub fn print_table(o: &Value) {
     }
 }
 
-/// The PyTorch figures `benches/peers/torch_amp.py` printed (its last stdout line, or the
-/// whole file as one JSON object), checked before anything is measured.
-pub fn read_torch(path: &str, threads: usize) -> Result<Value> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("--torch: cannot read {path}"))?;
-    let line = text.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
-    let v: Value = serde_json::from_str(line)
-        .with_context(|| format!("--torch: {path} must end with the JSON line torch_amp.py prints"))?;
-    for k in ["fp32_step_ms", "autocast_bf16_step_ms"] {
-        if !v[k].as_f64().is_some_and(|x| x > 0.0) {
-            bail!("--torch: {path} has no positive {k:?}; run benches/peers/torch_amp.py again");
-        }
-    }
-    if v["threads"].as_u64() != Some(threads as u64) {
-        bail!(
-            "--torch: {path} was measured with {} threads, this run uses {threads}; pass the same --threads to both",
-            v["threads"]
-        );
-    }
-    Ok(v)
-}
+/// The models with a step time per level: the name `torch_amp.py` gives each under
+/// `models`, and its key under `levels[L][H]`.
+const MODELS: [(&str, &str); 4] = [
+    ("mlp", "step_ms"),
+    ("example", "transformer_step_ms"),
+    ("memory", "memory_transformer_step_ms"),
+    ("mid", "transformer_mid_step_ms"),
+];
 
 /// The README's targets as ratios from this run: `{name, ratio, rule, limit, met}`, where
 /// `rule` is `"<="`, `"<"` or `">="` (the ratio against the limit). The PyTorch ones appear
@@ -148,6 +165,36 @@ pub fn targets(o: &Value) -> Value {
             }
         }
     }
+    // Issue 23's targets. O0 is measured twice (the f16 and bf16 rows run the same f32
+    // model); these divide by the faster run, the stricter choice.
+    let o0_min = |key: &str| lv("O0", "f16", key).min(lv("O0", "bf16", key));
+    let best_bf16_level = |key: &str| {
+        ["O1", "O2", "O3"]
+            .iter()
+            .map(|l| lv(l, "bf16", key))
+            .fold(f64::INFINITY, f64::min)
+    };
+    let mid0 = o0_min("transformer_mid_step_ms");
+    for level in ["O1", "O2", "O3"] {
+        for half in ["f16", "bf16"] {
+            add(
+                format!("mid transformer: no half level slower than O0: {level} {half}"),
+                lv(level, half, "transformer_mid_step_ms") / mid0,
+                "<=",
+                1.0,
+            );
+        }
+    }
+    let isa = o["isa"].as_str().unwrap_or("");
+    for (model, key) in [("MLP", "step_ms"), ("mid transformer", "transformer_mid_step_ms")] {
+        let ratio = best_bf16_level(key) / o0_min(key);
+        if matches!(isa, "avx512bf16" | "amx") {
+            add(format!("best bf16 level / O0 (bf16 tiers): {model}"), ratio, "<=", 0.6);
+        }
+        if isa == "amx" {
+            add(format!("best bf16 level / O0 (AMX): {model}"), ratio, "<=", 0.45);
+        }
+    }
     add(
         "alloc bytes per MLP step, O2 f16 / O0".into(),
         lv("O2", "f16", "alloc_bytes_per_step") / lv("O0", "f16", "alloc_bytes_per_step"),
@@ -204,6 +251,26 @@ pub fn targets(o: &Value) -> Value {
             "<=",
             0.8,
         );
+        // Per model (issue 23), when the script measured them all.
+        if o["torch"]["models"].is_object() {
+            for (model, key) in MODELS {
+                let m = &o["torch"]["models"][model];
+                add(
+                    format!("O0 no slower than PyTorch fp32: {model}"),
+                    o0_min(key) / f(&m["fp32_step_ms"]),
+                    "<=",
+                    1.0,
+                );
+                if isa == "amx" {
+                    add(
+                        format!("best bf16 level / PyTorch autocast bf16 (AMX): {model}"),
+                        best_bf16_level(key) / f(&m["autocast_bf16_step_ms"]),
+                        "<=",
+                        1.0,
+                    );
+                }
+            }
+        }
     }
     Value::Array(t)
 }
