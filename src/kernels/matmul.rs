@@ -383,13 +383,8 @@ fn linear_bwd(
         None
     };
     let gw = if w.track_op() {
-<<<<<<< HEAD
         let x2 = super::dense(x)?.reshape((m, k))?;
-        Some(bmm(&g2, &x2, true, false)?)
-=======
-        let x2 = x.contiguous()?.reshape((m, k))?;
         Some(grad_bmm(Some(w), &g2, &x2, true, false)?)
->>>>>>> h-doctor
     } else {
         None
     };
