@@ -5,7 +5,7 @@
 use candle_core::DType;
 
 use super::DoctorConfig;
-use super::diagnose::{Action, Problem, Recommendation, Severity, pct, pow2_floor};
+use super::recommendation::{Action, Problem, Recommendation, Severity, pct, pow2_floor};
 use super::recorder::{Aggregate, State};
 use super::stats::{BF16_MIN_NORMAL, F16_MAX, fraction_below};
 use crate::precision::opt_level::Properties;

@@ -56,6 +56,7 @@
 mod diagnose;
 mod fallback;
 mod gradients;
+mod recommendation;
 mod recorder;
 mod report;
 mod stats;
@@ -64,7 +65,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-pub use diagnose::{Action, Problem, Recommendation, Severity};
+pub use recommendation::{Action, Problem, Recommendation, Severity};
 pub use recorder::SwitchEvent;
 pub use report::{DoctorReport, ScalePoint, TensorReport};
 pub use stats::{BF16_MIN_NORMAL, F16_MAX, F16_MIN_NORMAL, TensorStats};

@@ -5,7 +5,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use super::diagnose::Recommendation;
+use super::recommendation::Recommendation;
 use super::recorder::{Aggregate, SwitchEvent};
 use crate::precision::recording::TensorKind;
 
