@@ -110,7 +110,7 @@ fn storage_of(v: Vec<f32>, dt: DType) -> Result<CpuStorage> {
     })
 }
 
-fn supported(dt: DType) -> bool {
+pub(super) fn supported(dt: DType) -> bool {
     matches!(dt, DType::F32 | DType::F16 | DType::BF16)
 }
 
@@ -118,6 +118,9 @@ fn supported(dt: DType) -> bool {
 struct Bmm {
     ta: bool,
     tb: bool,
+    /// Keep the f32 accumulation as the result instead of rounding it to the inputs' type
+    /// (a weight gradient that goes straight into an f32 master gradient).
+    f32_out: bool,
 }
 
 impl CustomOp2 for Bmm {
@@ -140,7 +143,8 @@ impl CustomOp2 for Bmm {
         }
         let mut dims = l1.dims()[..l1.dims().len() - 2].to_vec();
         dims.extend([sa.rows, sb.cols]);
-        Ok((storage_of(out, s1.dtype())?, Shape::from(dims)))
+        let dt = if self.f32_out { DType::F32 } else { s1.dtype() };
+        Ok((storage_of(out, dt)?, Shape::from(dims)))
     }
 
     fn bwd(&self, a: &Tensor, b: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
@@ -164,8 +168,13 @@ impl CustomOp2 for Bmm {
 }
 
 /// `op(a) . op(b)` without a backward.
-fn bmm(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Tensor> {
-    a.apply_op2_no_bwd(b, &Bmm { ta, tb })
+pub(super) fn bmm(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Tensor> {
+    a.apply_op2_no_bwd(b, &Bmm { ta, tb, f32_out: false })
+}
+
+/// `op(a) . op(b)` without a backward, the f32 accumulation kept as an f32 result.
+pub(super) fn bmm_f32(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Tensor> {
+    a.apply_op2_no_bwd(b, &Bmm { ta, tb, f32_out: true })
 }
 
 /// The matrix product of the last two dims, batched over the others (which must be equal or
@@ -209,7 +218,14 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         (a.broadcast_as(da)?, b.broadcast_as(db)?)
     };
     if a.track_op() || b.track_op() {
-        a.apply_op2(&b, Bmm { ta: false, tb: false })
+        a.apply_op2(
+            &b,
+            Bmm {
+                ta: false,
+                tb: false,
+                f32_out: false,
+            },
+        )
     } else {
         bmm(&a, &b, false, false)
     }
@@ -267,7 +283,7 @@ fn linear_fwd<T: GemmElem>(x: &[T], xl: &Layout, w: &[T], wl: &Layout, bias: Opt
 }
 
 /// A bias as f32 values (`linear` made it contiguous).
-fn f32_of(s: &CpuStorage, l: &Layout) -> Result<Vec<f32>> {
+pub(super) fn f32_of(s: &CpuStorage, l: &Layout) -> Result<Vec<f32>> {
     let (a, b) = l
         .contiguous_offsets()
         .ok_or_else(|| candle_core::Error::Msg("amp-linear: the bias must be contiguous".into()))?;
@@ -289,7 +305,7 @@ fn linear_shape(xl: &Layout, wl: &Layout) -> Shape {
     Shape::from(dims)
 }
 
-fn linear_cpu(
+pub(super) fn linear_cpu(
     s1: &CpuStorage,
     l1: &Layout,
     s2: &CpuStorage,
@@ -340,6 +356,20 @@ impl<T: Elem + super::slices::Vx> super::dispatch::Kernel for ColumnSums<'_, T> 
     }
 }
 
+/// The column sums of a dense CPU gradient `g2` (m x n), in f32: the bias's gradient.
+pub(super) fn gradient_column_sums(g2: &Tensor, n: usize) -> Result<Vec<f32>> {
+    let (s, l) = g2.storage_and_layout();
+    let (a, e) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("amp-linear: gradient layout".into()))?;
+    Ok(match &*s {
+        candle_core::Storage::Cpu(CpuStorage::F32(v)) => column_sums(&v[a..e], n),
+        candle_core::Storage::Cpu(CpuStorage::F16(v)) => column_sums(&v[a..e], n),
+        candle_core::Storage::Cpu(CpuStorage::BF16(v)) => column_sums(&v[a..e], n),
+        _ => candle_core::bail!("amp-linear: gradient storage"),
+    })
+}
+
 /// Gradients of `x w^T (+ b)` for `x` (rows m x k), `w` (n x k), given `g` (m x n).
 fn linear_bwd(
     x: &Tensor,
@@ -367,17 +397,7 @@ fn linear_bwd(
     };
     let gb = match b {
         Some(b) if b.track_op() => {
-            let (s, l) = g2.storage_and_layout();
-            let (a, e) = l
-                .contiguous_offsets()
-                .ok_or_else(|| candle_core::Error::Msg("amp-linear: gradient layout".into()))?;
-            let sums = match &*s {
-                candle_core::Storage::Cpu(CpuStorage::F32(v)) => column_sums(&v[a..e], n),
-                candle_core::Storage::Cpu(CpuStorage::F16(v)) => column_sums(&v[a..e], n),
-                candle_core::Storage::Cpu(CpuStorage::BF16(v)) => column_sums(&v[a..e], n),
-                _ => candle_core::bail!("amp-linear: gradient storage"),
-            };
-            drop(s);
+            let sums = gradient_column_sums(&g2, n)?;
             Some(super::cast::cast(&Tensor::from_vec(sums, n, b.device())?, b.dtype())?)
         }
         _ => None,
