@@ -263,11 +263,11 @@ impl CastContext {
         }
     }
 
-    /// The context of a run whose parameters are `store`: the library's layers built from
-    /// them send their gradients to the run's stash ([`GradStash`]).
-    pub(crate) fn for_run(half: DType, verbosity: u8, store: super::store::ParamStore) -> Self {
+    /// The context of a run with its gradient stash: the library's layers built from the
+    /// run's parameters send their gradients there ([`GradStash`]).
+    pub(crate) fn for_run(half: DType, verbosity: u8, stash: GradStash) -> Self {
         Self {
-            stash: Some(Arc::new(GradStash::new(store))),
+            stash: Some(Arc::new(stash)),
             ..Self::new(half, verbosity)
         }
     }

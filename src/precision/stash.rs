@@ -12,13 +12,15 @@ use std::sync::{Mutex, MutexGuard};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 
-use super::store::ParamStore;
 use crate::kernels::wgrad::GradSink;
+
+/// Whether a tensor is one of the run's parameters and trains (`None`: not the run's).
+pub(crate) type Trains = Box<dyn Fn(&Tensor) -> Option<bool> + Send + Sync>;
 
 /// The waiting gradients of one run, and the run's parameters (to tell which tensors a
 /// layer may send here).
 pub(crate) struct GradStash {
-    store: ParamStore,
+    trains: Trains,
     grads: Mutex<GradStore>,
 }
 
@@ -29,10 +31,10 @@ impl std::fmt::Debug for GradStash {
 }
 
 impl GradStash {
-    /// An empty stash for the parameters of `store`.
-    pub(crate) fn new(store: ParamStore) -> Self {
+    /// An empty stash for the parameters `trains` tells (the run's `ParamStore::trains_tensor`).
+    pub(crate) fn new(trains: Trains) -> Self {
         Self {
-            store,
+            trains,
             grads: Mutex::new(GradStore::default()),
         }
     }
@@ -42,10 +44,10 @@ impl GradStash {
         self.grads.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Whether `t` is one of the run's parameters (its working tensor) and trains: see
-    /// [`ParamStore::trains_tensor`].
+    /// Whether `t` is one of the run's parameters (its working tensor) and trains (`None`:
+    /// not the run's).
     pub(crate) fn trains(&self, t: &Tensor) -> Option<bool> {
-        self.store.trains_tensor(t)
+        (self.trains)(t)
     }
 
     /// Adds `grads` to the waiting ones.

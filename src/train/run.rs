@@ -15,6 +15,7 @@ use super::rng::Generator;
 use crate::error::{AmpError, Result};
 use crate::precision::autocast::CastContext;
 use crate::precision::opt_level::Properties;
+use crate::precision::stash::GradStash;
 pub(crate) use crate::precision::stash::merge_grads;
 use crate::precision::store::ParamStore;
 use crate::scaling::scaler::{ScalerSlot, ScalerState};
@@ -56,7 +57,9 @@ impl RunState {
     pub(crate) fn new(props: Properties, store: ParamStore) -> Self {
         let scale = props.initial_loss_scale();
         let scalers = (0..props.num_losses).map(|_| ScalerSlot::new(scale)).collect();
-        let casts = Arc::new(CastContext::for_run(props.half.dtype(), props.verbosity, store.clone()));
+        let params = store.clone();
+        let stash = GradStash::new(Box::new(move |t| params.trains_tensor(t)));
+        let casts = Arc::new(CastContext::for_run(props.half.dtype(), props.verbosity, stash));
         Self {
             props,
             store,
@@ -105,7 +108,7 @@ impl RunState {
         !self.unused_checked.swap(true, std::sync::atomic::Ordering::Relaxed)
     }
 
-    fn stash(&self) -> &crate::precision::stash::GradStash {
+    fn stash(&self) -> &GradStash {
         self.casts
             .stash()
             .expect("a run's cast context has a stash (CastContext::for_run)")
