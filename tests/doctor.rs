@@ -355,7 +355,9 @@ fn fit_run() -> (amp::AmpModel<Fit>, amp::AmpOptimizer, amp::Amp) {
 fn fit_steps(model: &amp::AmpModel<Fit>, opt: &mut amp::AmpOptimizer, amp: &amp::Amp, steps: usize) -> u64 {
     let dev = Device::Cpu;
     let x = Tensor::randn(0f32, 1.0, (16, 8), &dev).unwrap();
-    let t = Tensor::full(10f32, (16, 4), &dev).unwrap();
+    // Far from the output, so that the output's gradient (in half) overflows at the initial
+    // scale: the weight gradient itself is accumulated in f32 and would not.
+    let t = Tensor::full(200f32, (16, 4), &dev).unwrap();
     for _ in 0..steps {
         let loss = ops::mse(&model.forward(&x).unwrap(), &t).unwrap();
         amp.scale_loss(&loss, opt).unwrap().backward().unwrap();

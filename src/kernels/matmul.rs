@@ -110,7 +110,7 @@ fn storage_of(v: Vec<f32>, dt: DType) -> Result<CpuStorage> {
     })
 }
 
-fn supported(dt: DType) -> bool {
+pub(super) fn supported(dt: DType) -> bool {
     matches!(dt, DType::F32 | DType::F16 | DType::BF16)
 }
 
@@ -118,7 +118,8 @@ fn supported(dt: DType) -> bool {
 struct Bmm {
     ta: bool,
     tb: bool,
-    /// The result in f32, not rounded to the inputs' type (a gradient kept for the doctor).
+    /// The result in f32, not rounded to the inputs' type: a gradient kept for the doctor,
+    /// or a weight gradient that goes straight into an f32 master gradient.
     f32_out: bool,
 }
 
@@ -167,8 +168,13 @@ impl CustomOp2 for Bmm {
 }
 
 /// `op(a) . op(b)` without a backward.
-fn bmm(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Tensor> {
+pub(super) fn bmm(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Tensor> {
     a.apply_op2_no_bwd(b, &Bmm { ta, tb, f32_out: false })
+}
+
+/// `op(a) . op(b)` without a backward, the f32 accumulation kept as an f32 result.
+pub(super) fn bmm_f32(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Tensor> {
+    a.apply_op2_no_bwd(b, &Bmm { ta, tb, f32_out: true })
 }
 
 /// [`bmm`] for the gradient of `of` (a parameter: a linear's weight, a matmul's variable;
@@ -179,7 +185,7 @@ fn grad_bmm(of: Option<&Tensor>, a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> 
     let Some(of) = of.filter(|_| super::capture::active() && matches!(a.dtype(), DType::F16 | DType::BF16)) else {
         return bmm(a, b, ta, tb);
     };
-    let g32 = a.apply_op2_no_bwd(b, &Bmm { ta, tb, f32_out: true })?;
+    let g32 = bmm_f32(a, b, ta, tb)?;
     super::capture::keep(of, &g32)?;
     g32.to_dtype(a.dtype())
 }
@@ -290,7 +296,7 @@ fn linear_fwd<T: GemmElem>(x: &[T], xl: &Layout, w: &[T], wl: &Layout, bias: Opt
 }
 
 /// A bias as f32 values (`linear` made it contiguous).
-fn f32_of(s: &CpuStorage, l: &Layout) -> Result<Vec<f32>> {
+pub(super) fn f32_of(s: &CpuStorage, l: &Layout) -> Result<Vec<f32>> {
     let (a, b) = l
         .contiguous_offsets()
         .ok_or_else(|| candle_core::Error::Msg("amp-linear: the bias must be contiguous".into()))?;
@@ -312,7 +318,7 @@ fn linear_shape(xl: &Layout, wl: &Layout) -> Shape {
     Shape::from(dims)
 }
 
-fn linear_cpu(
+pub(super) fn linear_cpu(
     s1: &CpuStorage,
     l1: &Layout,
     s2: &CpuStorage,
@@ -363,6 +369,20 @@ impl<T: Elem + super::slices::Vx> super::dispatch::Kernel for ColumnSums<'_, T> 
     }
 }
 
+/// The column sums of a dense CPU gradient `g2` (m x n), in f32: the bias's gradient.
+pub(super) fn gradient_column_sums(g2: &Tensor, n: usize) -> Result<Vec<f32>> {
+    let (s, l) = g2.storage_and_layout();
+    let (a, e) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("amp-linear: gradient layout".into()))?;
+    Ok(match &*s {
+        candle_core::Storage::Cpu(CpuStorage::F32(v)) => column_sums(&v[a..e], n),
+        candle_core::Storage::Cpu(CpuStorage::F16(v)) => column_sums(&v[a..e], n),
+        candle_core::Storage::Cpu(CpuStorage::BF16(v)) => column_sums(&v[a..e], n),
+        _ => candle_core::bail!("amp-linear: gradient storage"),
+    })
+}
+
 /// Gradients of `x w^T (+ b)` for `x` (rows m x k), `w` (n x k), given `g` (m x n).
 fn linear_bwd(
     x: &Tensor,
@@ -390,18 +410,7 @@ fn linear_bwd(
     };
     let gb = match b {
         Some(b) if b.track_op() => {
-            let (s, l) = g2.storage_and_layout();
-            let (a, e) = l
-                .contiguous_offsets()
-                .ok_or_else(|| candle_core::Error::Msg("amp-linear: gradient layout".into()))?;
-            let sums = match &*s {
-                candle_core::Storage::Cpu(CpuStorage::F32(v)) => column_sums(&v[a..e], n),
-                candle_core::Storage::Cpu(CpuStorage::F16(v)) => column_sums(&v[a..e], n),
-                candle_core::Storage::Cpu(CpuStorage::BF16(v)) => column_sums(&v[a..e], n),
-                _ => candle_core::bail!("amp-linear: gradient storage"),
-            };
-            drop(s);
-            let sums = Tensor::from_vec(sums, n, b.device())?;
+            let sums = Tensor::from_vec(gradient_column_sums(&g2, n)?, n, b.device())?;
             if b.dtype() != DType::F32 {
                 super::capture::keep(b, &sums)?;
             }

@@ -43,6 +43,7 @@ pub(crate) mod slices;
 mod softmax;
 mod storage;
 pub(crate) mod unscale;
+pub(crate) mod wgrad;
 
 use candle_core::Tensor;
 

@@ -59,7 +59,8 @@ impl Linear {
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         observe::layer(self.name.as_ref(), x, Some(self.weight.dtype()), |x| {
-            ops::linear(x, &self.weight, self.bias.as_ref())
+            // Parameters of a run: their gradients skip candle's graph (see `linear_layer`).
+            ops::linear_layer(x, &self.weight, self.bias.as_ref())
         })
     }
 }

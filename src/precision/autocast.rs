@@ -43,6 +43,7 @@ use candle_core::{DType, Tensor, TensorId};
 use super::cast_lists::builtin_policy;
 pub use super::cast_lists::{CAST_LISTS, CastPolicy};
 use super::recording::Observer;
+use super::stash::GradStash;
 use crate::comm::Communicator;
 use crate::kernels::{self, fingerprint::sampled_fingerprint};
 
@@ -223,6 +224,9 @@ pub(crate) struct CastContext {
     observer: RwLock<Option<Arc<dyn Observer>>>,
     /// Layers (by VarBuilder path) that run in f32 whatever the level, with who asked for it.
     f32_layers: RwLock<BTreeMap<String, String>>,
+    /// A run's stash of parameter gradients outside candle's graph (`None` for a standalone
+    /// scope: its layers keep their parameters in the graph).
+    stash: Option<Arc<GradStash>>,
 }
 
 /// `CastContext::hooks`: an observer is installed.
@@ -255,7 +259,22 @@ impl CastContext {
             hooks: AtomicU8::new(0),
             observer: RwLock::new(None),
             f32_layers: RwLock::new(BTreeMap::new()),
+            stash: None,
         }
+    }
+
+    /// The context of a run with its gradient stash: the library's layers built from the
+    /// run's parameters send their gradients there ([`GradStash`]).
+    pub(crate) fn for_run(half: DType, verbosity: u8, stash: GradStash) -> Self {
+        Self {
+            stash: Some(Arc::new(stash)),
+            ..Self::new(half, verbosity)
+        }
+    }
+
+    /// The run's gradient stash (`None` for a standalone scope).
+    pub(crate) fn stash(&self) -> Option<&Arc<GradStash>> {
+        self.stash.as_ref()
     }
 
     /// Whether any layer or op hook has work to do (an observer or an f32 layer).
@@ -681,6 +700,12 @@ pub(crate) fn hooked_context() -> Option<Arc<CastContext>> {
             .filter(|(_, p)| p.context.hooked())
             .map(|(_, p)| p.context.clone())
     })
+}
+
+/// The gradient stash of the innermost open scope's context, where that context is a run's
+/// (any scope: the model wrapper's transparent one at the levels that do not autocast too).
+pub(crate) fn run_stash() -> Option<Arc<GradStash>> {
+    SCOPES.with(|s| s.borrow().last().and_then(|(_, p)| p.context.stash().cloned()))
 }
 
 /// Whether this thread is inside a named layer's forward (see `AutocastPolicy::in_layer`).

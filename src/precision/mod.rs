@@ -19,4 +19,5 @@ pub(crate) mod observe;
 pub mod ops;
 pub(crate) mod opt_level;
 pub(crate) mod recording;
+pub(crate) mod stash;
 pub(crate) mod store;

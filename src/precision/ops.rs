@@ -141,6 +141,49 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     rec("linear", kernels::linear(&xs[0], &xs[1], xs.get(2)))
 }
 
+/// [`linear`] for a layer of the library (`nn::Linear`): where its parameters belong to the
+/// run whose context is open on this thread and a half copy is involved (a half weight, or
+/// an f32 weight cast to half at O1), the product is one node on `x` only and the weight and
+/// bias gradients go, in f32, to the run's stash instead of candle's graph
+/// ([`kernels::wgrad`](crate::kernels::wgrad)); a frozen parameter's gradient is not
+/// computed. Elsewhere (no run, parameters of a plain `VarMap`, all in f32) it is [`linear`].
+pub(crate) fn linear_layer(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let mut args = vec![x, w];
+    if let Some(b) = b {
+        args.push(b);
+    }
+    let (xs, _) = prepare("linear", &args)?;
+    if let Some(y) = wgrad_linear(&xs, w, b)? {
+        return rec("linear", Ok(y));
+    }
+    rec("linear", kernels::linear(&xs[0], &xs[1], xs.get(2)))
+}
+
+/// The stashing node for [`linear_layer`], or `None` where it does not apply. `xs`: the
+/// arguments as cast for the op; `w`, `b`: the layer's parameters.
+fn wgrad_linear(xs: &[Tensor], w: &Tensor, b: Option<&Tensor>) -> Result<Option<Tensor>> {
+    let half = |t: &Tensor| matches!(t.dtype(), DType::F16 | DType::BF16);
+    // All in f32 (O0, a layer kept in f32 at O1): candle's accumulation is f32 already.
+    if !(half(&xs[1]) || half(w)) {
+        return Ok(None);
+    }
+    let Some(stash) = autocast::run_stash() else {
+        return Ok(None);
+    };
+    // Each parameter's key: `Some(Some(p))` trains (its gradient is stashed), `Some(None)`
+    // frozen (none computed); `None`: not the run's, so the whole layer keeps the graph path.
+    let key = |p: &Tensor| stash.trains(p).map(|t| t.then(|| p.clone()));
+    let Some(w_key) = key(w) else { return Ok(None) };
+    let b_key = match b {
+        Some(b) => match key(b) {
+            Some(k) => k,
+            None => return Ok(None),
+        },
+        None => None,
+    };
+    kernels::wgrad::linear(&xs[0], &xs[1], xs.get(2), w_key.as_ref(), b_key.as_ref(), stash)
+}
+
 /// candle's CPU backend has no bf16 convolution (its conv2d calls an f32/f16-only gemm):
 /// run it in f32 and round the result to bf16. Casts are differentiable, so gradients flow.
 fn conv_in_supported_dtype(

@@ -157,6 +157,8 @@ impl Param {
 struct Inner {
     params: Vec<Param>,
     index: HashMap<String, usize>,
+    /// Each parameter by its working tensor's id (for the layers, see [`ParamStore::trains_tensor`]).
+    ids: HashMap<candle_core::TensorId, usize>,
     rng: ChaCha8Rng,
     policy: StorePolicy,
 }
@@ -185,6 +187,7 @@ impl ParamStore {
             inner: Arc::new(Mutex::new(Inner {
                 params: Vec::new(),
                 index: HashMap::new(),
+                ids: HashMap::new(),
                 rng: ChaCha8Rng::seed_from_u64(seed),
                 policy,
             })),
@@ -273,6 +276,13 @@ impl ParamStore {
             .map(|p| p.name.clone())
             .collect();
         (missing, unexpected, shapes)
+    }
+
+    /// Whether `t` is one of this store's working tensors and trains (trainable, not
+    /// frozen): `Some(true)` or `Some(false)`; `None` for a tensor that is not the store's.
+    pub(crate) fn trains_tensor(&self, t: &Tensor) -> Option<bool> {
+        let g = self.lock();
+        g.ids.get(&t.id()).map(|&i| g.params[i].trains())
     }
 
     /// Freezes (or unfreezes) every trainable parameter whose name matches; returns how many
@@ -398,6 +408,7 @@ impl ParamStore {
             frozen: false,
         });
         g.index.insert(name.to_string(), idx);
+        g.ids.insert(out.id(), idx);
         Ok(out)
     }
 }

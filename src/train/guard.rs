@@ -132,6 +132,9 @@ impl<'a> ScaleLoss<'a> {
             o.check_can_backward("scale_loss")?;
         }
         let scale = run.loss_scale(loss_id)?;
+        // Stashed gradients of a backward whose gradients no stage took (a plain `backward()`
+        // on the run's model) are not this loss's: its backward comes after this.
+        drop(run.take_recomputed(None));
         // Scale in f32: an f16 loss times 65536 would already be inf.
         let loss32 = loss.to_dtype(DType::F32)?;
         // On the device path the loss is checked on the device, read with the step's flags.

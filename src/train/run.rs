@@ -7,14 +7,16 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use candle_core::Var;
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Var};
 
 use super::reduce::{GradReducer, StepReducer};
 use super::rng::Generator;
 use crate::error::{AmpError, Result};
 use crate::precision::autocast::CastContext;
 use crate::precision::opt_level::Properties;
+use crate::precision::stash::GradStash;
+pub(crate) use crate::precision::stash::merge_grads;
 use crate::precision::store::ParamStore;
 use crate::scaling::scaler::{ScalerSlot, ScalerState};
 
@@ -32,11 +34,11 @@ pub(crate) struct RunState {
     /// The live optimizers' claims (which trainable parameters each owns), by optimizer id.
     claims: Mutex<BTreeMap<usize, Filter>>,
     generators: Mutex<BTreeMap<String, Generator>>,
+    /// The cast context, which also holds the run's gradient stash: parameter gradients
+    /// that recomputed segments (`recompute`) and the library's layers (`nn::Linear`)
+    /// produced during a backward outside candle's `GradStore`, waiting for the guard's
+    /// stages.
     pub casts: Arc<CastContext>,
-    /// Parameter gradients that recomputed segments (`recompute`) produced during a
-    /// backward, waiting for the guard's stages (candle's backward returns only the
-    /// segment inputs' gradients through the graph).
-    recomputed: Mutex<GradStore>,
     /// Whether the first backward's check for trained parameters without a gradient ran.
     unused_checked: std::sync::atomic::AtomicBool,
     /// Whether the CPU takes the device path too (`AmpConfig::device_path`).
@@ -55,7 +57,9 @@ impl RunState {
     pub(crate) fn new(props: Properties, store: ParamStore) -> Self {
         let scale = props.initial_loss_scale();
         let scalers = (0..props.num_losses).map(|_| ScalerSlot::new(scale)).collect();
-        let casts = Arc::new(CastContext::new(props.half.dtype(), props.verbosity));
+        let params = store.clone();
+        let stash = GradStash::new(Box::new(move |t| params.trains_tensor(t)));
+        let casts = Arc::new(CastContext::for_run(props.half.dtype(), props.verbosity, stash));
         Self {
             props,
             store,
@@ -65,7 +69,6 @@ impl RunState {
             claims: Mutex::new(BTreeMap::new()),
             generators: Mutex::new(BTreeMap::new()),
             casts,
-            recomputed: Mutex::new(GradStore::default()),
             unused_checked: std::sync::atomic::AtomicBool::new(false),
             force_device_path: false,
             host_syncs: std::sync::atomic::AtomicU64::new(0),
@@ -105,26 +108,21 @@ impl RunState {
         !self.unused_checked.swap(true, std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Adds gradients a recomputed segment produced to the ones waiting for the stages.
-    pub(crate) fn stash_recomputed(&self, grads: GradStore) -> candle_core::Result<()> {
-        merge_grads(&mut lock(&self.recomputed), grads, false)
+    fn stash(&self) -> &GradStash {
+        self.casts
+            .stash()
+            .expect("a run's cast context has a stash (CastContext::for_run)")
     }
 
-    /// Takes the waiting recomputed gradients of `vars` (all of them with `None`).
+    /// Adds gradients a recomputed segment produced to the ones waiting for the stages.
+    pub(crate) fn stash_recomputed(&self, grads: GradStore) -> candle_core::Result<()> {
+        self.stash().stash(grads)
+    }
+
+    /// Takes the waiting stashed gradients of `vars` (all of them with `None`): those of
+    /// recomputed segments and of the library's layers.
     pub(crate) fn take_recomputed(&self, vars: Option<&[(String, Var)]>) -> GradStore {
-        let mut st = lock(&self.recomputed);
-        match vars {
-            None => std::mem::take(&mut *st),
-            Some(vars) => {
-                let mut out = GradStore::default();
-                for (_, v) in vars {
-                    if let Some(g) = st.remove(v.as_tensor()) {
-                        out.insert(v.as_tensor(), g);
-                    }
-                }
-                out
-            }
-        }
+        self.stash().take(vars)
     }
 
     pub(crate) fn scalers_mut(&self) -> MutexGuard<'_, Vec<ScalerSlot>> {
@@ -187,26 +185,4 @@ impl RunState {
     pub(crate) fn scaler_states(&self) -> Vec<ScalerState> {
         self.scalers_mut().iter().map(|s| s.state.clone()).collect()
     }
-}
-
-/// Adds `from`'s gradients to `into`'s (candle's `GradStore::extend`, but across types: a
-/// gradient summed in f32 meets a half one in f32). `widen`: `from`'s half gradients join in
-/// f32.
-pub(crate) fn merge_grads(into: &mut GradStore, from: GradStore, widen: bool) -> candle_core::Result<()> {
-    let ids: Vec<_> = from.get_ids().copied().collect();
-    for id in ids {
-        let Some(g) = from.get_id(id) else { continue };
-        let g = if widen && matches!(g.dtype(), DType::F16 | DType::BF16) {
-            g.to_dtype(DType::F32)?
-        } else {
-            g.clone()
-        };
-        let sum = match into.get_id(id) {
-            Some(e) if e.dtype() == g.dtype() => e.add(&g)?.detach(),
-            Some(e) => e.to_dtype(DType::F32)?.add(&g.to_dtype(DType::F32)?)?.detach(),
-            None => g,
-        };
-        into.insert_id(id, sum);
-    }
-    Ok(())
 }

@@ -1,0 +1,161 @@
+//! A linear layer whose parameter gradients never enter candle's graph (Megatron-LM's
+//! `gradient_accumulation_fusion`, Transformer Engine's `fuse_wgrad_accumulation`).
+//!
+//! The forward `x w^T + b` is one graph node on the input `x` only; the weight and bias are
+//! values the node holds. Its backward returns `x`'s gradient to candle and hands the weight
+//! and bias gradients, as the products' f32 accumulations (never rounded to half), to a
+//! [`GradSink`]: the run's stash, which the backward pipeline merges before it unscales. So
+//! candle never accumulates a half gradient of a parameter (candle 0.11 accumulates every
+//! node's gradient as `zeros_like` + `add` in the node's type, and its half element-wise
+//! ops are slow on the CPU), and the gradient the optimizer unscales is more accurate.
+
+use std::sync::Arc;
+
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Storage, Tensor, Var};
+
+use super::matmul::{bmm, bmm_f32, f32_of, gradient_column_sums, linear_cpu, supported};
+
+/// Where a layer's parameter gradients go instead of candle's `GradStore`.
+pub(crate) trait GradSink: Send + Sync {
+    /// Adds `grad` (f32, `param`'s shape) to the gradient waiting for `param`.
+    fn add(&self, param: &Tensor, grad: Tensor) -> Result<()>;
+}
+
+/// The node: the values it computes with and the parameters its gradients are for.
+struct WgradLinear {
+    /// The weight as computed with (`x`'s type; a half copy at O1), detached.
+    w: Tensor,
+    /// The bias as computed with (n contiguous values), detached.
+    b: Option<Tensor>,
+    /// The parameter the weight's gradient is for (`None`: no gradient wanted, e.g. frozen).
+    w_key: Option<Tensor>,
+    /// The parameter the bias's gradient is for.
+    b_key: Option<Tensor>,
+    sink: Arc<dyn GradSink>,
+    /// Whether `x` takes a gradient (false: the node hangs off an anchor, see [`linear`]).
+    x_grad: bool,
+}
+
+impl WgradLinear {
+    fn fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (ws, wl) = self.w.storage_and_layout();
+        let Storage::Cpu(wc) = &*ws else {
+            candle_core::bail!("amp-linear-wgrad: the weight is not on the CPU")
+        };
+        let bias = match &self.b {
+            Some(b) => {
+                let (bs, bl) = b.storage_and_layout();
+                let Storage::Cpu(bc) = &*bs else {
+                    candle_core::bail!("amp-linear-wgrad: the bias is not on the CPU")
+                };
+                Some(f32_of(bc, bl)?)
+            }
+            None => None,
+        };
+        linear_cpu(s, l, wc, wl, bias)
+    }
+
+    /// Gives the parameter gradients to the sink and returns `x`'s.
+    fn bwd_x(&self, x: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        let (n, k) = self.w.dims2()?;
+        let m: usize = x.dims()[..x.rank().saturating_sub(1)].iter().product();
+        let g = super::dense(g)?;
+        let g2 = g.reshape((m, n))?;
+        // dw = g^T . x (n x m . m x k) and db = column sums of g, both kept in f32.
+        if let Some(key) = &self.w_key {
+            let x2 = super::dense(&x.detach())?.reshape((m, k))?;
+            self.sink.add(key, bmm_f32(&g2, &x2, true, false)?)?;
+        }
+        if let Some(key) = &self.b_key {
+            let sums = gradient_column_sums(&g2, n)?;
+            self.sink.add(key, Tensor::from_vec(sums, n, g.device())?)?;
+        }
+        // dx = g . w (m x n . n x k), in x's type.
+        if self.x_grad {
+            Ok(Some(bmm(&g2, &self.w, false, false)?.reshape(x.shape())?))
+        } else {
+            Ok(None)
+        }
+    }
+}
+
+impl CustomOp1 for WgradLinear {
+    fn name(&self) -> &'static str {
+        "amp-linear-wgrad"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        self.fwd(s, l)
+    }
+
+    fn bwd(&self, x: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        self.bwd_x(x, g)
+    }
+}
+
+/// The same node over `(x, anchor)` for an input outside any graph (data): the anchor is a
+/// one-element variable that makes the node part of the graph without copying `x`.
+impl CustomOp2 for WgradLinear {
+    fn name(&self) -> &'static str {
+        "amp-linear-wgrad"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, _s2: &CpuStorage, _l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        self.fwd(s1, l1)
+    }
+
+    fn bwd(&self, x: &Tensor, _anchor: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((self.bwd_x(x, g)?, None))
+    }
+}
+
+/// `x w^T + b` as one node on `x`, whose backward sends the weight's and bias's f32 gradients
+/// to `sink` under `w_key` and `b_key` (each `None`: that gradient is not computed). `w` and
+/// `b` are the values to compute with, of `x`'s type. `None` where the node does not apply
+/// (another device or type, the kernels off, a bias of another shape): the caller then runs
+/// [`super::linear`] with the parameters in the graph.
+pub(crate) fn linear(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    w_key: Option<&Tensor>,
+    b_key: Option<&Tensor>,
+    sink: Arc<dyn GradSink>,
+) -> Result<Option<Tensor>> {
+    let dt = x.dtype();
+    let applies = super::enabled()
+        && supported(dt)
+        && w.dtype() == dt
+        && b.is_none_or(|b| b.dtype() == dt)
+        && x.device().is_cpu()
+        && w.device().is_cpu()
+        && b.is_none_or(|b| b.device().is_cpu())
+        && x.rank() >= 1
+        && w.rank() == 2
+        && b.is_none_or(|b| b.dims() == [w.dims()[0]]);
+    if !applies {
+        return Ok(None);
+    }
+    if x.rank() == 1 {
+        // One row, as `kernels::linear` and PyTorch's `F.linear` take it.
+        let y = linear(&x.unsqueeze(0)?, w, b, w_key, b_key, sink)?;
+        return y.map(|y| y.squeeze(0)).transpose();
+    }
+    let x = super::dense(x)?;
+    let node = WgradLinear {
+        w: super::dense(&w.detach())?,
+        b: b.map(|b| super::dense(&b.detach())).transpose()?,
+        w_key: w_key.cloned(),
+        b_key: b_key.cloned(),
+        sink,
+        x_grad: x.track_op(),
+    };
+    if node.x_grad {
+        return Ok(Some(x.apply_op1(node)?));
+    }
+    if node.w_key.is_none() && node.b_key.is_none() {
+        return Ok(Some(x.apply_op1_no_bwd(&node)?));
+    }
+    let anchor = Var::zeros((), DType::F32, x.device())?;
+    Ok(Some(x.apply_op2(anchor.as_tensor(), node)?))
+}
