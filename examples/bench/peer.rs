@@ -2,7 +2,7 @@
 //! printed (`--torch FILE`), and checks that it measured the bench's own models.
 
 use std::fmt;
-use std::process::Command;
+use std::process::{Command, Stdio};
 
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
@@ -74,12 +74,14 @@ pub fn run_torch(threads: usize, quick: bool) -> Result<Value, TorchUnavailable>
     if quick {
         cmd.arg("--quick");
     }
-    let out = cmd.output().map_err(|error| TorchUnavailable::NoPython {
-        python: python.clone(),
-        error,
-    })?;
-    // The script's progress and errors go to our stderr as they would from a terminal.
-    eprint!("{}", String::from_utf8_lossy(&out.stderr));
+    // The script's progress and errors go to our stderr as they come (minutes of them).
+    let out = cmd
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|error| TorchUnavailable::NoPython {
+            python: python.clone(),
+            error,
+        })?;
     if out.status.code() == Some(NO_TORCH_STATUS) {
         return Err(TorchUnavailable::NoTorch { python });
     }
