@@ -94,6 +94,13 @@ enum Task {
 }
 
 /// `n` sequences `[x_0..x_7, SEP, x_7..x_1]` as inputs and their next tokens as targets.
+/// A step's time in milliseconds, in whole microseconds: a short decimal reads back from the
+/// checkpoint's JSON to the same f64 (serde_json's default parser can be one ulp off on
+/// 17-digit values), so a resumed run prints the saved run's `step_ms` exactly.
+fn step_time_ms(d: std::time::Duration) -> f64 {
+    (d.as_secs_f64() * 1e6).round() / 1e3
+}
+
 fn reverse_batch(rng: &mut impl Rng, n: usize) -> Result<(Tensor, Tensor)> {
     let mut inp = Vec::with_capacity(n * 2 * SEQ);
     let mut tgt = Vec::with_capacity(n * 2 * SEQ);
@@ -241,7 +248,7 @@ fn train_one(
         };
         let outcome = opt.step()?;
         opt.zero_grad();
-        progress.times.push(t0.elapsed().as_secs_f64() * 1e3);
+        progress.times.push(step_time_ms(t0.elapsed()));
         let l = loss.to_scalar::<f32>()? as f64;
         progress.losses.push(l);
         progress.scales.push(outcome.loss_scale());

@@ -142,3 +142,13 @@ fn a_run_cut_in_two_equals_the_run_straight_through_but_for_step_time() {
     assert_eq!(resumed.progress.times.len(), 3);
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+#[test]
+fn step_times_read_back_from_json_exactly() {
+    // What the checkpoint keeps: every time must parse back to the same f64.
+    for ns in (0..20_000u64).map(|i| i * 7_919_333 + 13) {
+        let t = super::step_time_ms(std::time::Duration::from_nanos(ns));
+        let back: f64 = serde_json::from_str(&serde_json::to_string(&t).unwrap()).unwrap();
+        assert_eq!(back.to_bits(), t.to_bits(), "{ns} ns");
+    }
+}
