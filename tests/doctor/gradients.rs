@@ -5,10 +5,21 @@ use candle_amp::{self as amp, AmpConfig, HalfType, OptLevel, nn as ann, ops};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::Module;
 
+/// A linear layer through `ops::linear`, whose parameter gradients candle computes and rounds
+/// to the parameter's type (`nn::Linear` in a run keeps them in f32, outside candle's graph,
+/// so nothing of it rounds to zero or overflows in half: these tests need a gradient that does).
+struct Rounded(ann::Linear);
+
+impl Module for Rounded {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        ops::linear(x, self.0.weight(), self.0.bias())
+    }
+}
+
 /// `fc(x)` plus `dead(x)` times 0: `dead`'s gradient is a true zero.
 struct Tiny {
-    fc: ann::Linear,
-    dead: ann::Linear,
+    fc: Rounded,
+    dead: Rounded,
 }
 
 impl Module for Tiny {
@@ -32,8 +43,8 @@ fn a_gradient_that_rounds_to_zero_in_f16_is_underflow_and_gets_a_loss_scale() {
     let (model, mut opt, amp) = amp::initialize(
         |vb| {
             Ok(Tiny {
-                fc: ann::linear(4, 1, vb.pp("fc"))?,
-                dead: ann::linear(4, 1, vb.pp("dead"))?,
+                fc: Rounded(ann::linear(4, 1, vb.pp("fc"))?),
+                dead: Rounded(ann::linear(4, 1, vb.pp("dead"))?),
             })
         },
         amp::optim::Sgd::new(amp::optim::SgdConfig::new(0.1)).unwrap(),
@@ -129,21 +140,21 @@ fn a_gradient_that_rounds_to_zero_in_f16_is_underflow_and_gets_a_loss_scale() {
 
 /// A linear fit: targets of 10 make its gradient reach a few units (its f16 raw gradient
 /// overflows at 65536); targets of 0 keep it small.
-fn fit_loss(model: &amp::AmpModel<ann::Linear>, x: &Tensor, target: f32) -> Tensor {
+fn fit_loss(model: &amp::AmpModel<Rounded>, x: &Tensor, target: f32) -> Tensor {
     let t = Tensor::full(target, (16, 4), &Device::Cpu).unwrap();
     ops::mse(&model.forward(x).unwrap(), &t).unwrap()
 }
 
 /// Two losses, one scaler each: `a` (healthy) on loss 0, `b` (overflowing) on loss 1.
-fn two_loss_run() -> (amp::Amp, [amp::AmpModel<ann::Linear>; 2], [amp::AmpOptimizer; 2]) {
+fn two_loss_run() -> (amp::Amp, [amp::AmpModel<Rounded>; 2], [amp::AmpOptimizer; 2]) {
     let cfg = AmpConfig::new(OptLevel::O2)
         .half(HalfType::F16)
         .verbosity(0)
         .seed(5)
         .num_losses(2);
     let amp = amp::Amp::new(cfg, &Device::Cpu).unwrap();
-    let a = amp.model(|vb| ann::linear(8, 4, vb.pp("a"))).unwrap();
-    let b = amp.model(|vb| ann::linear(8, 4, vb.pp("b"))).unwrap();
+    let a = amp.model(|vb| Ok(Rounded(ann::linear(8, 4, vb.pp("a"))?))).unwrap();
+    let b = amp.model(|vb| Ok(Rounded(ann::linear(8, 4, vb.pp("b"))?))).unwrap();
     let adam = || amp::optim::AdamW::new(Default::default()).unwrap();
     let oa = amp.optimizer_for(adam(), |n| n.starts_with("a.")).unwrap();
     let ob = amp.optimizer_for(adam(), |n| n.starts_with("b.")).unwrap();
@@ -152,7 +163,7 @@ fn two_loss_run() -> (amp::Amp, [amp::AmpModel<ann::Linear>; 2], [amp::AmpOptimi
 
 fn two_loss_steps(
     amp: &amp::Amp,
-    models: &[amp::AmpModel<ann::Linear>; 2],
+    models: &[amp::AmpModel<Rounded>; 2],
     opts: &mut [amp::AmpOptimizer; 2],
     steps: usize,
 ) -> [u64; 2] {
@@ -230,7 +241,7 @@ fn with_two_losses_only_the_overflowing_loss_scaler_is_named_and_retuned() {
 /// A bf16 layer large enough for the tier's bf16 product (more than 4096 multiply-adds)
 /// whose inputs are bf16 subnormals (1e-39).
 struct Wide {
-    fc: ann::Linear,
+    fc: Rounded,
 }
 
 impl Module for Wide {
@@ -244,7 +255,7 @@ fn a_bf16_gradient_lost_to_a_flushing_product_is_named_on_that_tier() {
     let (model, mut opt, amp) = amp::initialize(
         |vb| {
             Ok(Wide {
-                fc: ann::linear_no_bias(64, 64, vb.pp("fc"))?,
+                fc: Rounded(ann::linear_no_bias(64, 64, vb.pp("fc"))?),
             })
         },
         amp::optim::Sgd::new(amp::optim::SgdConfig::new(0.1)).unwrap(),
