@@ -115,6 +115,28 @@ pub(crate) fn dense(t: &Tensor) -> candle_core::Result<Tensor> {
     }
 }
 
+/// A custom op's CUDA forward that hands on a result computed before (with tensor ops on the
+/// device): `out` copied into a buffer of the node's own. `try_clone` copies the whole
+/// buffer, so it must hold `out` row-major from its start (a fresh result does; a view is
+/// copied so first). `what` names the op in the error for a tensor off CUDA.
+#[cfg(feature = "cuda")]
+pub(crate) fn cuda_owned_copy(
+    out: &Tensor,
+    what: &str,
+) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+    use candle_core::backend::BackendStorage;
+    let out = if out.is_contiguous() && out.layout().start_offset() == 0 {
+        out.clone()
+    } else {
+        out.force_contiguous()?
+    };
+    let (st, layout) = out.storage_and_layout();
+    let candle_core::Storage::Cuda(cuda) = &*st else {
+        candle_core::bail!("{what} is not on the input's CUDA device")
+    };
+    Ok((cuda.try_clone(layout)?, out.shape().clone()))
+}
+
 thread_local! {
     /// Open [`plain`] guards on this thread.
     static PLAIN: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };

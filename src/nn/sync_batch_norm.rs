@@ -272,19 +272,7 @@ impl CustomOp1 for DeviceNorm {
     /// The normalised rows (computed on the device) copied into the node's own buffer.
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, _s: &candle_core::CudaStorage, _l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = self.take_out()?;
-        // `try_clone` copies the whole buffer, so it must hold the rows row-major from its
-        // start (a fresh result does; a view is copied so first).
-        let out = if out.is_contiguous() && out.layout().start_offset() == 0 {
-            out
-        } else {
-            out.force_contiguous()?
-        };
-        let (st, layout) = out.storage_and_layout();
-        let candle_core::Storage::Cuda(cuda) = &*st else {
-            candle_core::bail!("synchronised batch norm: the normalised rows are not on the input's CUDA device")
-        };
-        Ok((cuda.try_clone(layout)?, out.shape().clone()))
+        crate::kernels::cuda_owned_copy(&self.take_out()?, "synchronised batch norm: the normalised rows")
     }
 
     fn bwd(&self, _arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {

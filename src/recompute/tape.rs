@@ -94,20 +94,7 @@ impl CustomOp1 for Boundary {
         _s: &candle_core::CudaStorage,
         _l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
-        let out = self.take_out()?;
-        // `try_clone` copies the whole buffer, so it must hold the output row-major from its
-        // start (a fresh output does; a view is copied so first).
-        let out = if out.is_contiguous() && out.layout().start_offset() == 0 {
-            out
-        } else {
-            out.force_contiguous()?
-        };
-        let (st, layout) = out.storage_and_layout();
-        let candle_core::Storage::Cuda(cuda) = &*st else {
-            candle_core::bail!("recompute: the segment's output is not on the input's CUDA device")
-        };
-        Ok((cuda.try_clone(layout)?, out.shape().clone()))
+        crate::kernels::cuda_owned_copy(&self.take_out()?, "recompute: the segment's output")
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
