@@ -390,8 +390,6 @@ fn batch_norm_in_a_recomputed_segment_updates_its_running_statistics_once() {
             })
             .unwrap();
         let mut opt = amp.optimizer(Sgd::new(SgdConfig::new(0.02)).unwrap()).unwrap();
-        let x = Tensor::randn(0f32, 1.0, (6, 4), &common::device()).unwrap();
-        let _ = &x;
         for step in 0..2 {
             let x = batch(step).0.flatten_to(1).unwrap().narrow(1, 0, 4).unwrap();
             let h = rc

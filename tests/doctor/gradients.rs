@@ -167,10 +167,14 @@ fn two_loss_steps(
     opts: &mut [amp::AmpOptimizer; 2],
     steps: usize,
 ) -> [u64; 2] {
-    let x = Tensor::randn(0f32, 1.0, (16, 8), &Device::Cpu).unwrap();
+    let x = super::seeded_inputs((16, 8), 1);
+    let xa = (&x * 0.25).unwrap();
     for _ in 0..steps {
         let [oa, ob] = opts;
-        let la = fit_loss(&models[0], &x, 0.0);
+        // Loss 0 sees a quarter of the inputs, so its f16 weight gradient at 65536 is a
+        // sixteenth of what it would be: at full inputs some draws overflowed it (4 in 60
+        // seeds), at a quarter none of 100 came near.
+        let la = fit_loss(&models[0], &xa, 0.0);
         let lb = fit_loss(&models[1], &x, 10.0);
         amp.scale_loss_id(&la, 0, oa).unwrap().backward().unwrap();
         amp.scale_loss_id(&lb, 1, ob).unwrap().backward().unwrap();
