@@ -148,14 +148,10 @@ impl Block {
     }
 
     fn split(&self, x: &Tensor) -> Result<Tensor> {
-        let (b, t, d) = x.dims3()?;
-        x.reshape((b, t, self.heads, d / self.heads))?
-            .transpose(1, 2)?
-            .contiguous()
+        ann::split_heads(x, self.heads)
     }
 
     fn run(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        let (b, t, d) = x.dims3()?;
         let h = self.ln1.forward(x)?;
         let (q, k, v) = (
             self.split(&self.q.forward(&h)?)?,
@@ -163,7 +159,7 @@ impl Block {
             self.split(&self.v.forward(&h)?)?,
         );
         let a = ann::scaled_dot_product_attention(&q, &k, &v, None, true, None)?;
-        let a = a.transpose(1, 2)?.reshape((b, t, d))?;
+        let a = ann::merge_heads(&a)?;
         let x = ops::add(x, &self.drop.forward_t(&self.o.forward(&a)?, train)?)?;
         // Dropout stays outside the slices, so its mask is drawn as in the plain forward.
         let h = match (&self.recompute, self.ffn_chunk) {

@@ -61,7 +61,7 @@ impl CustomOp1 for Cast {
     fn bwd(&self, arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         // A gradient kept before rounding for the cast's output is its input's (the doctor).
         super::capture::hand_on(res, arg)?;
-        Ok(Some(cast(grad, arg.dtype())?))
+        Ok(Some(super::graph_grad::for_candle(cast(grad, arg.dtype())?)?))
     }
 }
 

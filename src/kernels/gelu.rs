@@ -139,7 +139,8 @@ impl CustomOp1 for Gelu {
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let grad = super::dense(grad)?;
-        Ok(Some(super::dense(arg)?.apply_op2_no_bwd(&grad, &GeluGrad)?))
+        let dx = super::dense(arg)?.apply_op2_no_bwd(&grad, &GeluGrad)?;
+        Ok(Some(super::graph_grad::for_candle(dx)?))
     }
 }
 

@@ -163,7 +163,8 @@ impl CustomOp2 for Bmm {
                 grad_bmm(b.is_variable().then_some(b), a, g, !self.ta, false)
             }
         });
-        Ok((ga.transpose()?, gb.transpose()?))
+        let out = |g: Option<Tensor>| g.map(super::graph_grad::for_candle).transpose();
+        Ok((out(ga.transpose()?)?, out(gb.transpose()?)?))
     }
 }
 
@@ -418,7 +419,8 @@ fn linear_bwd(
         }
         _ => None,
     };
-    Ok((gx, gw, gb))
+    let out = |g: Option<Tensor>| g.map(super::graph_grad::for_candle).transpose();
+    Ok((out(gx)?, out(gw)?, gb))
 }
 
 impl CustomOp2 for Linear {

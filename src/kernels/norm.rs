@@ -377,6 +377,7 @@ impl Fwd {
                 db = Some(super::cast(&wb.get(1)?.reshape(b.shape())?, b.dtype())?);
             }
         }
+        let dx = dx.map(super::graph_grad::for_candle).transpose()?;
         Ok((dx, dw, db))
     }
 }

@@ -136,7 +136,8 @@ impl CustomOp1 for Relu {
 
     fn bwd(&self, _arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let grad = super::dense(grad)?;
-        Ok(Some(res.apply_op2_no_bwd(&grad, &ReluGrad)?))
+        let dx = res.apply_op2_no_bwd(&grad, &ReluGrad)?;
+        Ok(Some(super::graph_grad::for_candle(dx)?))
     }
 }
 

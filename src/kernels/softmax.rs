@@ -140,7 +140,7 @@ impl CustomOp1 for ScaledSoftmax {
         let dy = grad_res.to_dtype(DType::F32)?;
         let dot = (&dy * &y)?.sum_keepdim(D::Minus1)?;
         let dx = (y * dy.broadcast_sub(&dot)?)?.affine(self.scale as f64, 0.0)?;
-        Ok(Some(dx.to_dtype(arg.dtype())?))
+        Ok(Some(super::graph_grad::for_candle(dx.to_dtype(arg.dtype())?)?))
     }
 }
 

@@ -72,7 +72,8 @@ impl WgradLinear {
         }
         // dx = g . w (m x n . n x k), in x's type.
         if self.x_grad {
-            Ok(Some(bmm(&g2, &self.w, false, false)?.reshape(x.shape())?))
+            let dx = bmm(&g2, &self.w, false, false)?.reshape(x.shape())?;
+            Ok(Some(super::graph_grad::for_candle(dx)?))
         } else {
             Ok(None)
         }

@@ -14,6 +14,53 @@ pub fn causal_mask(t: usize, device: &Device) -> Result<Tensor> {
     Tensor::from_vec(v, (t, t), device)
 }
 
+/// `x` with its last two dimensions swapped, contiguous, as one graph node (see
+/// [`split_heads`]).
+fn transpose_last(x: &Tensor) -> Result<Tensor> {
+    let dims = x.dims();
+    let r = dims.len();
+    if r < 2 {
+        candle_core::bail!("transpose_last: a tensor of rank {r}")
+    }
+    let mut perm: Vec<usize> = (0..r).collect();
+    perm.swap(r - 2, r - 1);
+    let merged: Vec<usize> = perm.iter().map(|&p| dims[p]).collect();
+    crate::kernels::elementwise::rearrange(x, dims, &perm, &merged)
+}
+
+/// `(b, t, heads * d)` to `(b, heads, t, d)`, contiguous: the layout
+/// [`scaled_dot_product_attention`] takes. The same values as
+/// `x.reshape((b, t, heads, d))?.transpose(1, 2)?.contiguous()`, as one graph node: for
+/// half tensors on the CPU its backward stays out of candle's half element-wise code, where
+/// candle's three ops (reshape, transpose, copy) would each add a half gradient.
+///
+/// ```
+/// use candle_amp::nn::{merge_heads, split_heads};
+/// use candle_core::{Device, Tensor};
+/// # fn main() -> candle_core::Result<()> {
+/// let x = Tensor::arange(0f32, 24.0, &Device::Cpu)?.reshape((1, 3, 8))?;
+/// let h = split_heads(&x, 2)?;
+/// assert_eq!(h.dims(), [1, 2, 3, 4]);
+/// assert_eq!(h.get(0)?.get(1)?.get(0)?.to_vec1::<f32>()?, [4.0, 5.0, 6.0, 7.0]);
+/// assert_eq!(merge_heads(&h)?.to_vec3::<f32>()?, x.to_vec3::<f32>()?);
+/// # Ok(()) }
+/// ```
+pub fn split_heads(x: &Tensor, heads: usize) -> Result<Tensor> {
+    let (b, t, d) = x.dims3()?;
+    if heads == 0 || d % heads != 0 {
+        candle_core::bail!("split_heads: width {d} does not split into {heads} heads")
+    }
+    let dh = d / heads;
+    crate::kernels::elementwise::rearrange(x, &[b, t, heads, dh], &[0, 2, 1, 3], &[b, heads, t, dh])
+}
+
+/// `(b, heads, t, d)` back to `(b, t, heads * d)`: the inverse of [`split_heads`], as one
+/// graph node.
+pub fn merge_heads(x: &Tensor) -> Result<Tensor> {
+    let (b, h, t, dh) = x.dims4()?;
+    crate::kernels::elementwise::rearrange(x, &[b, h, t, dh], &[0, 2, 1, 3], &[b, t, h * dh])
+}
+
 /// `softmax(q k^T * scale + mask) v` for `q`, `k`, `v` of shape `(..., t, d)`. The products
 /// run in half under autocast; the scores are taken to f32 for the mask and the softmax,
 /// then the probabilities return to the value's type. `scale` defaults to `1/sqrt(d)`.
@@ -28,11 +75,7 @@ pub fn scaled_dot_product_attention(
     let d = q.dim(candle_core::D::Minus1)?;
     let t = q.dim(candle_core::D::Minus2)?;
     let scale = scale.unwrap_or(1.0 / (d as f64).sqrt());
-    let scores = ops::matmul(
-        q,
-        &k.transpose(candle_core::D::Minus2, candle_core::D::Minus1)?
-            .contiguous()?,
-    )?;
+    let scores = ops::matmul(q, &transpose_last(k)?)?;
     if mask.is_none() && autocast::eligible(scores.dtype()) {
         // One op: scale, causal mask and softmax in f32, keeping only its input and output
         // for the backward. Under autocast the probabilities stay f32, as softmax's policy

@@ -39,7 +39,9 @@ impl ModuleT for Dropout {
                 .map(|_| if rng.random::<f64>() < keep { scale } else { 0.0 })
                 .collect()
         };
-        let mask = Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(x.dtype())?;
-        x * mask
+        let mask = crate::kernels::cast(&Tensor::from_vec(mask, x.shape(), x.device())?, x.dtype())?;
+        // One node (for half tensors on the CPU) whose backward stays out of candle's half
+        // element-wise code.
+        crate::kernels::elementwise::mul_const(x, &mask)
     }
 }

@@ -36,7 +36,7 @@ mod linear;
 mod norm;
 mod sync_batch_norm;
 
-pub use attention::{causal_mask, scaled_dot_product_attention};
+pub use attention::{causal_mask, merge_heads, scaled_dot_product_attention, split_heads};
 pub use batch_norm::{BatchNorm, batch_norm};
 pub use candle_nn::{BatchNormConfig, Conv1dConfig, Conv2dConfig, ConvTranspose2dConfig, LayerNormConfig};
 pub use conv::{Conv1d, Conv2d, ConvTranspose2d, conv_transpose2d, conv1d, conv2d};

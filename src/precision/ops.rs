@@ -542,7 +542,8 @@ pub fn binary_cross_entropy(probs: &Tensor, targets: &Tensor) -> Result<Tensor> 
 
 /// `a + b` (broadcasting), mixed types promoted.
 pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    promote2("add", a, b, |a, b| a.broadcast_add(b))
+    // Half tensors on the CPU: one node in f32 arithmetic (the same rounding as candle's).
+    promote2("add", a, b, kernels::elementwise::add)
 }
 
 /// `a - b` (broadcasting), mixed types promoted.

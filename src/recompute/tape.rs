@@ -100,7 +100,7 @@ impl CustomOp1 for Boundary {
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
         let (gx, params) = self.rec.replay(arg, grad)?;
         self.rec.run.stash_recomputed(params)?;
-        Ok(gx)
+        gx.map(crate::kernels::graph_grad::for_candle).transpose()
     }
 }
 
