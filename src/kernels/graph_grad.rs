@@ -53,26 +53,33 @@ pub(crate) fn for_candle(grad: Tensor) -> Result<Tensor> {
 }
 
 /// `[v0, 0, v1, 0, ...]`, written as one zero-extended 32-bit word per value where the
-/// buffer is 4-byte aligned (it is, from the allocator), so the pass runs at memory speed.
+/// buffer is 4-byte aligned (it is, from the allocator), so the pass runs at memory speed
+/// and the buffer is written once (no zeroing first).
 fn spread<T: Copy + Bits16>(src: &[T], zero: T) -> Vec<T> {
-    let mut out = vec![zero; 2 * src.len()];
-    // SAFETY: `T` is a 16-bit plain value (any bit pattern valid), so two of them are a u32.
-    let (head, words, tail) = unsafe { out.align_to_mut::<u32>() };
-    if head.is_empty() && tail.is_empty() && words.len() == src.len() {
-        for (w, v) in words.iter_mut().zip(src) {
-            // Little-endian: the low half is the first value of the pair.
-            *w = u32::from(v.bits16());
-        }
-        if cfg!(target_endian = "big") {
-            for w in words.iter_mut() {
-                *w <<= 16;
-            }
+    let n = 2 * src.len();
+    let mut out: Vec<T> = Vec::with_capacity(n);
+    let ptr = out.as_mut_ptr();
+    if (ptr as usize).is_multiple_of(std::mem::align_of::<u32>()) {
+        let words = ptr.cast::<u32>();
+        for (i, v) in src.iter().enumerate() {
+            let b = u32::from(v.bits16());
+            // The first value of a pair is the low half on a little-endian machine.
+            let w = if cfg!(target_endian = "big") { b << 16 } else { b };
+            // SAFETY: `i < src.len()`, so word `i` lies in the capacity of `n` 16-bit values;
+            // the pointer is 4-byte aligned (checked), and `T` is a plain 16-bit value.
+            unsafe { words.add(i).write(w) };
         }
     } else {
-        for (pair, v) in out.chunks_exact_mut(2).zip(src) {
-            pair[0] = *v;
+        for (i, v) in src.iter().enumerate() {
+            // SAFETY: `2 * i + 1 < n`, within the capacity.
+            unsafe {
+                ptr.add(2 * i).write(*v);
+                ptr.add(2 * i + 1).write(zero);
+            }
         }
     }
+    // SAFETY: all `n` values were written above.
+    unsafe { out.set_len(n) };
     out
 }
 
