@@ -70,7 +70,6 @@ fn assert_stats_eq(got: &TensorStats, want: &TensorStats, what: &str) {
     );
 }
 
-/// Values of every kind: normal, zeros, f16 and f32 subnormals, beyond f16's range, inf, NaN.
 /// Standard-normal-like inputs from a seeded generator (candle's CPU `randn` cannot be
 /// seeded, and a test whose verdict depends on the draw would be flaky).
 fn seeded_inputs(shape: (usize, usize), seed: u64) -> Tensor {
@@ -81,6 +80,7 @@ fn seeded_inputs(shape: (usize, usize), seed: u64) -> Tensor {
     Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
 }
 
+/// Values of every kind: normal, zeros, f16 and f32 subnormals, beyond f16's range, inf, NaN.
 fn awkward(n: usize, seed: u64) -> Vec<f32> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     (0..n)

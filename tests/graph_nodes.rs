@@ -1,7 +1,8 @@
 //! The half-precision graph nodes that keep a step out of candle's half element-wise code
-//! (`ops::add`, `nn::Dropout`, `nn::split_heads`/`merge_heads`) and the strided gradients every library op hands to candle: forward values and
-//! gradients equal candle's own ops (`kernels::plain`) bit for bit, a broadcast argument's
-//! gradient equals an f64 sum rounded once, on every tier this CPU has.
+//! (`ops::add`, `nn::Dropout`, `nn::split_heads`/`merge_heads`) and the strided gradients
+//! every library op hands to candle: forward values and gradients equal candle's own ops
+//! (`kernels::plain`) bit for bit, a broadcast argument's gradient equals an f64 sum
+//! rounded once, on every tier this CPU has.
 
 use candle_amp::kernels::{self, Isa};
 use candle_amp::{self as amp, AmpConfig, OptLevel, nn as ann, ops};

@@ -111,10 +111,9 @@ impl CustomOp2 for Add {
         combine_storage(s1, l1, s2, l2, Combine::Add)
     }
     fn bwd(&self, a: &Tensor, b: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let g = super::dense(g)?;
-        let ga = a.track_op().then(|| for_candle(g.clone())).transpose()?;
-        let gb = b.track_op().then(|| for_candle(g.clone())).transpose()?;
-        Ok((ga, gb))
+        // One strided copy serves both arguments (candle only reads it).
+        let g = for_candle(g.clone())?;
+        Ok((a.track_op().then(|| g.clone()), b.track_op().then_some(g)))
     }
 }
 
@@ -238,10 +237,18 @@ struct Rearrange {
 
 impl Rearrange {
     fn apply(&self, x: &Tensor) -> Result<Tensor> {
-        x.reshape(self.split.as_slice())?
-            .permute(self.perm.as_slice())?
-            .contiguous()?
-            .reshape(self.merged.as_slice())
+        // No reshape node where the shape already is the one wanted.
+        let x = if x.dims() == self.split.as_slice() {
+            x.clone()
+        } else {
+            x.reshape(self.split.as_slice())?
+        };
+        let y = x.permute(self.perm.as_slice())?.contiguous()?;
+        if y.dims() == self.merged.as_slice() {
+            Ok(y)
+        } else {
+            y.reshape(self.merged.as_slice())
+        }
     }
 }
 

@@ -420,7 +420,7 @@ fn linear_bwd(
         _ => None,
     };
     let out = |g: Option<Tensor>| g.map(super::graph_grad::for_candle).transpose();
-    Ok((out(gx)?, out(gw)?, gb))
+    Ok((out(gx)?, out(gw)?, out(gb)?))
 }
 
 impl CustomOp2 for Linear {

@@ -154,7 +154,9 @@ pub fn enabled() -> bool {
 /// While it is open, [`cast`], [`matmul`], [`linear`], [`relu`], [`gelu`], [`layer_norm`],
 /// [`rms_norm`] and the guard's unscale-and-check stage run the candle ops they replace
 /// (`to_dtype`, `matmul`, `broadcast_matmul` + `broadcast_add`, `relu`, `gelu_erf`, tensor
-/// arithmetic), so a model
+/// arithmetic), and so do the half nodes of `ops::add`, `nn::Dropout`, `nn::split_heads` /
+/// `merge_heads` and attention's key transpose (candle's `broadcast_add`, `broadcast_mul`,
+/// reshape, permute and copy), so a model
 /// can be compared with and without them. The choice is made when an op is recorded: a
 /// backward runs whatever the forward recorded. The optimizers' fused update has its own
 /// switch (`fused` in [`crate::optim::AdamWConfig`] and [`crate::optim::SgdConfig`]).

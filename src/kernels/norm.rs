@@ -377,8 +377,8 @@ impl Fwd {
                 db = Some(super::cast(&wb.get(1)?.reshape(b.shape())?, b.dtype())?);
             }
         }
-        let dx = dx.map(super::graph_grad::for_candle).transpose()?;
-        Ok((dx, dw, db))
+        let out = |g: Option<Tensor>| g.map(super::graph_grad::for_candle).transpose();
+        Ok((out(dx)?, out(dw)?, out(db)?))
     }
 }
 

@@ -20,7 +20,9 @@ impl CustomOp1 for Seed {
     }
 
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, _grad_res: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(self.grad.clone()))
+        // Strided for a half gradient: candle adds it into a fresh zeros_like (see
+        // `kernels::graph_grad`).
+        Ok(Some(crate::kernels::graph_grad::for_candle(self.grad.clone())?))
     }
 }
 
