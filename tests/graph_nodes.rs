@@ -4,6 +4,8 @@
 //! (`kernels::plain`) bit for bit, a broadcast argument's gradient equals an f64 sum
 //! rounded once, on every tier this CPU has.
 
+mod common;
+
 use candle_amp::kernels::{self, Isa};
 use candle_amp::{self as amp, AmpConfig, OptLevel, nn as ann, ops};
 use candle_core::{DType, Device, Tensor, Var};
@@ -25,15 +27,7 @@ fn tensor(dims: &[usize], seed: u64, dt: DType) -> Tensor {
 }
 
 fn bits(t: &Tensor) -> Vec<u32> {
-    t.to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .into_iter()
-        .map(f32::to_bits)
-        .collect()
+    common::flat(t).into_iter().map(f32::to_bits).collect()
 }
 
 /// Bit-identical, or the first difference.

@@ -105,6 +105,15 @@ mod tests {
     use super::*;
     use candle_core::Device;
 
+    fn flat(t: &Tensor) -> Vec<f32> {
+        t.to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    }
+
     #[test]
     fn the_view_has_the_values_and_a_strided_layout() {
         for dt in [DType::BF16, DType::F16, DType::F32] {
@@ -116,34 +125,13 @@ mod tests {
                 .unwrap();
             let v = for_candle(t.clone()).unwrap();
             assert_eq!(v.dims(), t.dims());
-            let want = t
-                .to_dtype(DType::F32)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap();
-            let got = v
-                .to_dtype(DType::F32)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap();
-            assert_eq!(want, got);
+            let want = flat(&t);
+            assert_eq!(want, flat(&v));
             // Half: innermost stride 2; f32 is left as it is.
             let inner = *v.stride().last().unwrap();
             assert_eq!(inner, if dt == DType::F32 { 1 } else { 2 }, "{dt:?}");
             // What candle's accumulation does with it.
-            let sum = t.zeros_like().unwrap().add(&v).unwrap();
-            let sum = sum
-                .to_dtype(DType::F32)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap();
-            assert_eq!(want, sum);
+            assert_eq!(want, flat(&t.zeros_like().unwrap().add(&v).unwrap()));
         }
     }
 }
