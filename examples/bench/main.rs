@@ -57,6 +57,7 @@ mod doctor;
 mod gpu;
 mod machine;
 mod measure;
+mod ops;
 mod peer;
 mod report;
 
@@ -229,6 +230,9 @@ fn main() -> Result<()> {
         let (ms, _) = transformer(l.parse()?, h.parse()?, c, batch, steps)?;
         eprintln!("transformer {which}: {ms:.2} ms");
         return Ok(());
+    }
+    if std::env::var("BENCH_OPS").is_ok() {
+        return ops::op_times(steps);
     }
     if std::env::var("BENCH_DOCTOR_ONLY").is_ok() {
         eprintln!("doctor_overhead {:.3}", doctor::doctor_overhead(hidden, &data, 9)?);

@@ -19,8 +19,13 @@
 //! (magnitude below 2^-126) and every f32 result it writes (the running sums). The widened
 //! f32 path of the lower tiers and candle keep them; `kernels::bf16_products_flush_subnormals`
 //! tells users which tier they are on.
+//!
+//! The tier runs this kernel only where the instruction is faster than f32 FMAs
+//! ([`dot_products_pay`]); elsewhere it widens to f32 and flushes the same values.
 
 use std::arch::x86_64::*;
+use std::sync::OnceLock;
+use std::time::Instant;
 
 use half::bf16;
 use rayon::prelude::*;
@@ -35,6 +40,75 @@ const KP: usize = 256;
 const MC: usize = MR * 12;
 /// Columns per block.
 const NC: usize = NR * 64;
+
+/// How much faster than f32 FMAs `vdpbf16ps` must multiply for the tier to use it. Its
+/// rate differs by CPU: Intel Sapphire Rapids issues one every two cycles (86 GFLOP/s against
+/// 176 for FMAs on a 2.7 GHz Xeon core), half the FMA rate, so widening to f32 and using the
+/// FMA product is faster there; AMD Zen 4 issues it at the FMA instruction rate, twice the
+/// FLOPs. The packed kernel reaches the instruction's rate, the widened path about 0.85 of
+/// the FMA rate (the conversions and the `gemm` crate's packing), so the dot products pay
+/// from a 1.0 ratio up, with a wide margin either way on the CPUs above.
+const DOT_PRODUCT_MIN_GAIN: f64 = 1.0;
+
+/// Whether the dot-product kernel beats the widened FMA product on this CPU: both
+/// instructions' throughput measured once per process (independent accumulators, about 0.2
+/// ms), compared in FLOPs. The AVX-512 BF16 tier uses the faster one; both flush subnormals
+/// the same way, so results agree up to the order of the f32 sums.
+pub(super) fn dot_products_pay() -> bool {
+    static PAY: OnceLock<bool> = OnceLock::new();
+    *PAY.get_or_init(|| {
+        if !std::arch::is_x86_feature_detected!("avx512bf16") {
+            return false;
+        }
+        // SAFETY: the CPU has AVX-512 F and BF16 (checked above; BF16 implies F).
+        let (dot, fma) = unsafe { (best_of(dot_rate), best_of(fma_rate)) };
+        dot >= fma * DOT_PRODUCT_MIN_GAIN
+    })
+}
+
+/// The best of a few runs of a rate measurement (the first also warms up the unit).
+///
+/// # Safety
+/// The CPU has the features `f` is compiled for.
+unsafe fn best_of(f: unsafe fn() -> f64) -> f64 {
+    // SAFETY: as the caller promised.
+    (0..4).map(|_| unsafe { f() }).fold(0.0, f64::max)
+}
+
+/// Iterations of the rate loops: 16 independent instructions each.
+const RATE_ITERS: usize = 2048;
+
+/// FLOPs per second of `vdpbf16ps` (64 per instruction).
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn dot_rate() -> f64 {
+    let a: __m512bh = unsafe { std::mem::transmute(_mm512_set1_epi32(std::hint::black_box(0x3F80_3F80))) };
+    let mut acc = [_mm512_setzero_ps(); 16];
+    let t = Instant::now();
+    for _ in 0..RATE_ITERS {
+        for v in acc.iter_mut() {
+            *v = _mm512_dpbf16_ps(*v, a, a);
+        }
+    }
+    let s = t.elapsed().as_secs_f64();
+    std::hint::black_box(acc);
+    (RATE_ITERS * 16 * 64) as f64 / s.max(1e-9)
+}
+
+/// FLOPs per second of `vfmadd231ps` on 512-bit vectors (32 per instruction).
+#[target_feature(enable = "avx512f")]
+unsafe fn fma_rate() -> f64 {
+    let a = _mm512_set1_ps(std::hint::black_box(1.0));
+    let mut acc = [_mm512_setzero_ps(); 16];
+    let t = Instant::now();
+    for _ in 0..RATE_ITERS {
+        for v in acc.iter_mut() {
+            *v = _mm512_fmadd_ps(a, a, *v);
+        }
+    }
+    let s = t.elapsed().as_secs_f64();
+    std::hint::black_box(acc);
+    (RATE_ITERS * 16 * 32) as f64 / s.max(1e-9)
+}
 
 #[inline(always)]
 fn pair(lo: bf16, hi: bf16) -> u32 {

@@ -7,9 +7,12 @@
 //!   f16 has no faster exact path on these CPUs: AVX-512 FP16 arithmetic accumulates in f16.
 //! * bf16: AMX tiles where the CPU has them and the OS grants them (`tdpbf16ps`, 16 x 16 x 32
 //!   multiply-adds per instruction); else AVX-512 BF16 dot products (`vdpbf16ps`) in a packed
-//!   14 x 32 micro-kernel; else widened to f32 like f16. Both instructions flush subnormal
-//!   inputs and results to zero (the widened path keeps them), a difference between tiers
-//!   users can see (`kernels::bf16_products_flush_subnormals`).
+//!   14 x 32 micro-kernel where they are faster than f32 FMAs (AMD Zen 4; not Intel Sapphire
+//!   Rapids, which issues them at half the FMA rate: measured once per process, see
+//!   `bf16_gemm::dot_products_pay`), else on that tier widened to f32 with the instructions'
+//!   flushing; else widened to f32 like f16. Both instructions flush subnormal inputs and
+//!   results to zero (the widened path of the lower tiers keeps them), a difference between
+//!   tiers users can see (`kernels::bf16_products_flush_subnormals`).
 //! * tiny products (`m*n*k` below a few thousand): a direct loop, since packing costs more
 //!   than it saves.
 //!
@@ -173,35 +176,45 @@ fn dense_span<T>(v: &Mat<'_, T>, rows: usize, cols: usize) -> Option<(usize, usi
 
 /// Widens a view into `buf` and returns the f32 view with the same layout (dense blocks are
 /// converted as one slice at memory speed; other views are gathered row-major).
-fn widen<'b, T: Elem + Vx>(v: &Mat<'_, T>, rows: usize, cols: usize, buf: &'b mut Vec<f32>) -> Mat<'b, f32> {
+fn widen<'b, T: Elem + Vx>(
+    v: &Mat<'_, T>,
+    rows: usize,
+    cols: usize,
+    buf: &'b mut Vec<f32>,
+    flush: bool,
+) -> Mat<'b, f32> {
     // Grown, never cleared: every value used is overwritten below, so no zero-fill pass.
     if buf.len() < rows * cols {
         buf.resize(rows * cols, 0.0);
     }
     let dst = &mut buf[..rows * cols];
-    match dense_span(v, rows, cols) {
+    let (rs, cs) = match dense_span(v, rows, cols) {
         Some((lo, hi)) => {
             convert(&v.data[lo..hi], dst);
-            Mat {
-                data: dst,
-                off: 0,
-                rs: if rows == 1 { cols } else { v.rs },
-                cs: if cols == 1 { 1 } else { v.cs },
-            }
+            (if rows == 1 { cols } else { v.rs }, if cols == 1 { 1 } else { v.cs })
         }
         None => {
             v.widen_into(rows, cols, dst);
-            Mat {
-                data: dst,
-                off: 0,
-                rs: cols,
-                cs: 1,
-            }
+            (cols, 1)
         }
+    };
+    if flush {
+        // Every value of the view is in `dst` once (dense or gathered).
+        flush_subnormals(dst);
+    }
+    Mat {
+        data: dst,
+        off: 0,
+        rs,
+        cs,
     }
 }
 
-/// Widens both operands to f32 (same layouts) and runs the f32 product.
+/// Widens both operands to f32 (same layouts) and runs the f32 product. With `flush`,
+/// subnormal inputs and results become zero (sign kept), as the bf16 dot-product
+/// instructions make them: the AVX-512 BF16 tier's product where `vdpbf16ps` is the slower
+/// path (see [`super::bf16_gemm::dot_products_pay`]), so the tier's results do not depend on
+/// which path it takes.
 fn widened<T: Elem + Vx>(
     m: usize,
     n: usize,
@@ -211,11 +224,17 @@ fn widened<T: Elem + Vx>(
     c: &mut [f32],
     ldc: usize,
     acc: bool,
+    flush: bool,
 ) {
     let mut run = |sa: &mut Vec<f32>, sb: &mut Vec<f32>| {
-        let av = widen(&a, m, k, sa);
-        let bv = widen(&b, k, n, sb);
-        gemm_f32(m, n, k, av, bv, c, ldc, acc)
+        let av = widen(&a, m, k, sa, flush);
+        let bv = widen(&b, k, n, sb, flush);
+        gemm_f32(m, n, k, av, bv, c, ldc, acc);
+        if flush && n > 0 {
+            for i in 0..m {
+                flush_subnormals(&mut c[i * ldc..i * ldc + n]);
+            }
+        }
     };
     SCRATCH.with(|s| match s.try_borrow_mut() {
         Ok(mut s) => {
@@ -228,12 +247,33 @@ fn widened<T: Elem + Vx>(
     })
 }
 
+/// Subnormal values set to zero of the same sign, compiled per tier.
+fn flush_subnormals(v: &mut [f32]) {
+    super::dispatch::dispatch(Flush(v))
+}
+
+struct Flush<'a>(&'a mut [f32]);
+
+impl super::dispatch::Kernel for Flush<'_> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        for v in self.0 {
+            let b = v.to_bits();
+            // Exponent zero (zero or subnormal): keep the sign only. Branch-free, so it
+            // vectorises.
+            let keep = ((b & 0x7F80_0000 != 0) as u32).wrapping_neg() | 0x8000_0000;
+            *v = f32::from_bits(b & keep);
+        }
+    }
+}
+
 impl GemmElem for f16 {
     fn gemm(m: usize, n: usize, k: usize, a: Mat<'_, f16>, b: Mat<'_, f16>, c: &mut [f32], ldc: usize, acc: bool) {
         if is_small(m, n, k) {
             return small(m, n, k, a, b, c, ldc, acc);
         }
-        widened(m, n, k, a, b, c, ldc, acc)
+        widened(m, n, k, a, b, c, ldc, acc, false)
     }
 }
 
@@ -245,10 +285,14 @@ impl GemmElem for bf16 {
         #[cfg(target_arch = "x86_64")]
         match current() {
             Isa::Amx => return super::amx::gemm(m, n, k, a, b, c, ldc, acc),
-            Isa::Avx512Bf16 => return super::bf16_gemm::gemm(m, n, k, a, b, c, ldc, acc),
+            Isa::Avx512Bf16 if super::bf16_gemm::dot_products_pay() => {
+                return super::bf16_gemm::gemm(m, n, k, a, b, c, ldc, acc);
+            }
+            // The same flushing as the dot products, at FMA speed.
+            Isa::Avx512Bf16 => return widened(m, n, k, a, b, c, ldc, acc, true),
             _ => {}
         }
-        widened(m, n, k, a, b, c, ldc, acc)
+        widened(m, n, k, a, b, c, ldc, acc, false)
     }
 }
 
@@ -256,4 +300,59 @@ impl GemmElem for bf16 {
 #[allow(dead_code)]
 fn _isa_used() -> Isa {
     current()
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+
+    /// The AVX-512 BF16 tier takes the dot-product kernel or the widened flushing product,
+    /// whichever is faster here: both must give the same values. Small integers times powers
+    /// of two sum exactly in any order, so the two agree bit for bit, subnormal inputs and
+    /// results (flushed by both) included, with and without accumulation.
+    #[test]
+    fn the_dot_product_kernel_and_the_widened_flushing_product_agree() {
+        if !std::arch::is_x86_feature_detected!("avx512bf16") {
+            return;
+        }
+        let tiny = f32::MIN_POSITIVE / 8.0; // subnormal, exact in bf16
+        for (m, n, k) in [(40, 33, 64), (15, 70, 7), (100, 64, 513)] {
+            let val = |i: usize| bf16::from_f32(((i * 7919) % 13) as f32 - 6.0);
+            let mut a: Vec<bf16> = (0..m * k).map(val).collect();
+            let mut b: Vec<bf16> = (0..k * n).map(|i| val(i + 5)).collect();
+            a[0] = bf16::from_f32(tiny);
+            // Row 1 of a is 2^-70 at column 0 and b's row 0 is 2^-70: products 2^-140.
+            a[k] = bf16::from_f32(2f32.powi(-70));
+            for v in &mut b[..n] {
+                *v = bf16::from_f32(2f32.powi(-70));
+            }
+            // Row 2 of a is 2^-64 at column 0 and zero elsewhere: results 2^-134, subnormal.
+            a[2 * k..3 * k].fill(bf16::ZERO);
+            a[2 * k] = bf16::from_f32(2f32.powi(-64));
+            let av = Mat {
+                data: &a,
+                off: 0,
+                rs: k,
+                cs: 1,
+            };
+            let bv = Mat {
+                data: &b,
+                off: 0,
+                rs: n,
+                cs: 1,
+            };
+            for acc in [false, true] {
+                let start: Vec<f32> = (0..m * n).map(|i| (i % 5) as f32).collect();
+                let (mut dot, mut wide) = (start.clone(), start.clone());
+                super::super::bf16_gemm::gemm(m, n, k, av, bv, &mut dot, n, acc);
+                widened(m, n, k, av, bv, &mut wide, n, acc, true);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&dot), bits(&wide), "{m}x{n}x{k} acc={acc}");
+                // The case is live: without the flush, row 2 keeps its subnormal results.
+                let mut kept = start.clone();
+                widened(m, n, k, av, bv, &mut kept, n, acc, false);
+                assert_ne!(bits(&kept[2 * n..3 * n]), bits(&wide[2 * n..3 * n]));
+            }
+        }
+    }
 }

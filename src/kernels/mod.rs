@@ -91,7 +91,10 @@ pub fn force_isa(isa: Option<Isa>) {
 ///
 /// Their instructions (`tdpbf16ps`, `vdpbf16ps`) treat subnormal bf16 inputs (magnitude
 /// below 2^-126) as zero and flush subnormal f32 results, partial sums included, to zero,
-/// whatever the MXCSR register says. Products small enough for the direct loop (up to 4096
+/// whatever the MXCSR register says. On a CPU that issues `vdpbf16ps` slower than f32 FMAs
+/// (Intel Sapphire Rapids does, at half their rate) the AVX-512 BF16 tier multiplies in f32
+/// instead, with the same flushing of inputs and results (partial sums are not flushed
+/// there, which changes a result by less than 2^-126). Products small enough for the direct loop (up to 4096
 /// multiply-adds) and every f32 or f16 product keep subnormals on every tier, as candle does.
 /// A tool that watches for bf16 underflow (the numerics doctor) should count values below
 /// 2^-126 as lost where this is true.

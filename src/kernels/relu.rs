@@ -18,6 +18,8 @@ trait Bits: Copy + Send + Sync {
     fn positive(self) -> bool;
     /// `max(self, 0)`, NaN kept.
     fn relu(self) -> Self;
+    /// `g` where `self` (the output) is positive, else 0.
+    fn keep(self, g: Self) -> Self;
     const ZERO: Self;
 }
 
@@ -30,27 +32,35 @@ impl Bits for f32 {
     fn relu(self) -> Self {
         if self < 0.0 { 0.0 } else { self }
     }
+    #[inline(always)]
+    fn keep(self, g: Self) -> Self {
+        if self.positive() { g } else { 0.0 }
+    }
     const ZERO: Self = 0.0;
 }
 
 /// Half types on their bits (no conversion): `inf` is the largest magnitude that is not NaN.
+/// Written without branches on signed 16-bit compares, which AVX2 has (it has no unsigned
+/// ones): with a branch or an unsigned compare the AVX2 loop stays scalar.
 macro_rules! half_bits {
     ($t:ty, $inf:expr) => {
         impl Bits for $t {
             #[inline(always)]
             fn positive(self) -> bool {
-                let b = self.to_bits();
-                b & 0x8000 == 0 && b != 0 && b <= $inf
+                // Sign clear, not zero, not NaN: 0 < bits <= inf as a signed value.
+                let s = self.to_bits() as i16;
+                (s > 0) & (s <= $inf)
             }
             #[inline(always)]
             fn relu(self) -> Self {
                 let b = self.to_bits();
-                // Negative (or -0) and not NaN.
-                if b & 0x8000 != 0 && b & 0x7FFF <= $inf {
-                    Self::ZERO
-                } else {
-                    self
-                }
+                // Negative (or -0) and not NaN: the sign is set and the magnitude <= inf.
+                let zero = ((b as i16) < 0) & (((b & 0x7FFF) as i16) <= $inf);
+                Self::from_bits(b & (zero as u16).wrapping_sub(1))
+            }
+            #[inline(always)]
+            fn keep(self, g: Self) -> Self {
+                Self::from_bits(g.to_bits() & (self.positive() as u16).wrapping_neg())
             }
             const ZERO: Self = <$t>::ZERO;
         }
@@ -89,7 +99,7 @@ impl<T: Bits> Kernel for Backward<'_, T> {
     #[inline(always)]
     fn run(self) {
         for ((d, y), g) in self.dst.iter_mut().zip(self.y).zip(self.g) {
-            *d = if y.positive() { *g } else { T::ZERO };
+            *d = y.keep(*g);
         }
     }
 }
