@@ -98,8 +98,9 @@ pub struct Mlp(ann::Linear, ann::Linear, ann::Linear);
 impl Mlp {
     pub fn new(vb: VarBuilder, input: usize, hidden: usize) -> candle_core::Result<Self> {
         Ok(Self(
-            ann::linear(input, hidden, vb.pp("fc1"))?,
-            ann::linear(hidden, hidden, vb.pp("fc2"))?,
+            // ReLU inside the layers: the pre-activations are no half edges of the graph.
+            ann::linear(input, hidden, vb.pp("fc1"))?.with_activation(ann::Activation::Relu),
+            ann::linear(hidden, hidden, vb.pp("fc2"))?.with_activation(ann::Activation::Relu),
             ann::linear(hidden, 10, vb.pp("fc3"))?,
         ))
     }
@@ -107,8 +108,7 @@ impl Mlp {
 
 impl Module for Mlp {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.2
-            .forward(&ops::relu(&self.1.forward(&ops::relu(&self.0.forward(x)?)?)?)?)
+        self.2.forward(&self.1.forward(&self.0.forward(x)?)?)
     }
 }
 

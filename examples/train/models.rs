@@ -2,7 +2,7 @@
 //! autocasts them (with `candle_nn` layers O1 would compute in f32, as O0).
 
 use candle_amp::Generator;
-use candle_amp::nn as ann;
+use candle_amp::nn::{self as ann, Activation};
 use candle_amp::ops;
 use candle_amp::recompute::{Recompute, chunked_forward};
 use candle_core::{Result, Tensor};
@@ -20,8 +20,10 @@ impl Mlp {
     /// Builds the MLP with parameters `fc1.*`, `fc2.*`, `fc3.*`.
     pub fn new(vb: VarBuilder, input: usize, hidden: usize, classes: usize) -> Result<Self> {
         Ok(Self {
-            fc1: ann::linear(input, hidden, vb.pp("fc1"))?,
-            fc2: ann::linear(hidden, hidden, vb.pp("fc2"))?,
+            // The activations run inside the layers (`with_activation`): the pre-activations
+            // are then no half tensors of candle's graph.
+            fc1: ann::linear(input, hidden, vb.pp("fc1"))?.with_activation(Activation::Relu),
+            fc2: ann::linear(hidden, hidden, vb.pp("fc2"))?.with_activation(Activation::Relu),
             fc3: ann::linear(hidden, classes, vb.pp("fc3"))?,
         })
     }
@@ -29,8 +31,7 @@ impl Mlp {
 
 impl Module for Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = ops::relu(&self.fc1.forward(x)?)?;
-        let h = ops::relu(&self.fc2.forward(&h)?)?;
+        let h = self.fc2.forward(&self.fc1.forward(x)?)?;
         self.fc3.forward(&h)
     }
 }
@@ -108,7 +109,7 @@ struct Ffn {
 
 impl Module for Ffn {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.down.forward(&ops::gelu(&self.up.forward(&self.ln2.forward(x)?)?)?)
+        self.down.forward(&self.up.forward(&self.ln2.forward(x)?)?)
     }
 }
 
@@ -137,7 +138,7 @@ impl Block {
             o: ann::linear(d, d, vb.pp("o"))?,
             ffn: Ffn {
                 ln2: ann::layer_norm(d, 1e-5, vb.pp("ln2"))?,
-                up: ann::linear(d, 4 * d, vb.pp("up"))?,
+                up: ann::linear(d, 4 * d, vb.pp("up"))?.with_activation(Activation::Gelu),
                 down: ann::linear(4 * d, d, vb.pp("down"))?,
             },
             drop: ann::Dropout::new(c.dropout, drop)?,

@@ -119,7 +119,7 @@ fn contiguous(l: &Layout) -> Result<(usize, usize)> {
         .ok_or_else(|| candle_core::Error::Msg("amp-gelu: tensors must be contiguous".into()))
 }
 
-struct Gelu;
+pub(super) struct Gelu;
 
 impl CustomOp1 for Gelu {
     fn name(&self) -> &'static str {
@@ -145,7 +145,7 @@ impl CustomOp1 for Gelu {
 }
 
 /// `grad * gelu'(x)`, in f32 arithmetic.
-struct GeluGrad;
+pub(super) struct GeluGrad;
 
 /// `d = g * gelu'(x)` in f32 blocks on the calling thread (as [`Forward`]).
 struct Backward<'a, T> {

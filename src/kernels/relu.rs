@@ -126,7 +126,7 @@ fn contiguous(l: &Layout) -> Result<(usize, usize)> {
         .ok_or_else(|| candle_core::Error::Msg("amp-relu: tensors must be contiguous".into()))
 }
 
-struct Relu;
+pub(super) struct Relu;
 
 impl CustomOp1 for Relu {
     fn name(&self) -> &'static str {
@@ -152,7 +152,7 @@ impl CustomOp1 for Relu {
 }
 
 /// `grad` where `y > 0`, else 0.
-struct ReluGrad;
+pub(super) struct ReluGrad;
 
 /// Panics if the lengths differ (checked by the op before).
 fn masked<T: Bits>(y: &[T], g: &[T]) -> Vec<T> {

@@ -9,9 +9,11 @@
 //! node's gradient as `zeros_like` + `add` in the node's type, and its half element-wise
 //! ops are slow on the CPU), and the gradient the optimizer unscales is more accurate.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Storage, Tensor, Var};
+use candle_core::backend::BackendStorage;
+
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Storage, Tensor, Var};
 
 use super::matmul::{bmm, bmm_f32, f32_of, gradient_column_sums, linear_cpu, supported};
 
@@ -19,6 +21,17 @@ use super::matmul::{bmm, bmm_f32, f32_of, gradient_column_sums, linear_cpu, supp
 pub(crate) trait GradSink: Send + Sync {
     /// Adds `grad` (f32, `param`'s shape) to the gradient waiting for `param`.
     fn add(&self, param: &Tensor, grad: Tensor) -> Result<()>;
+}
+
+/// An activation applied inside the node (Apex's `FusedDense` + activation, Transformer
+/// Engine's `LayerNormMLP` internals): the pre-activation is then no graph edge, so candle
+/// neither stores nor accumulates a half gradient for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Act {
+    /// `max(h, 0)`, as [`super::relu`]; its backward needs only the output.
+    Relu,
+    /// GELU (erf form), as [`super::gelu`]; the node keeps the pre-activation for the backward.
+    Gelu,
 }
 
 /// The node: the values it computes with and the parameters its gradients are for.
@@ -34,6 +47,22 @@ struct WgradLinear {
     sink: Arc<dyn GradSink>,
     /// Whether `x` takes a gradient (false: the node hangs off an anchor, see [`linear`]).
     x_grad: bool,
+    /// The activation applied to the product, if any.
+    act: Option<Act>,
+    /// GELU's pre-activation, rounded to the output type as the unfused layer's output is,
+    /// kept by the forward for the backward.
+    pre: Mutex<Option<Tensor>>,
+}
+
+/// A CPU storage as a tensor of `shape`.
+fn tensor_of(s: CpuStorage, shape: &Shape) -> Result<Tensor> {
+    let dev = Device::Cpu;
+    match s {
+        CpuStorage::F32(v) => Tensor::from_vec(v, shape, &dev),
+        CpuStorage::F16(v) => Tensor::from_vec(v, shape, &dev),
+        CpuStorage::BF16(v) => Tensor::from_vec(v, shape, &dev),
+        other => candle_core::bail!("amp-linear-wgrad: {:?} output", other.dtype()),
+    }
 }
 
 impl WgradLinear {
@@ -52,7 +81,40 @@ impl WgradLinear {
             }
             None => None,
         };
-        linear_cpu(s, l, wc, wl, bias)
+        let (h, shape) = linear_cpu(s, l, wc, wl, bias)?;
+        // The activation runs on the rounded product, exactly as the unfused layer's
+        // activation runs on the layer's output: the same values, bit for bit.
+        let layout = Layout::contiguous(&shape);
+        match self.act {
+            None => Ok((h, shape)),
+            Some(Act::Relu) => super::relu::Relu.cpu_fwd(&h, &layout),
+            Some(Act::Gelu) => {
+                let pre = tensor_of(h, &shape)?;
+                let out = {
+                    let (ps, _) = pre.storage_and_layout();
+                    let Storage::Cpu(pc) = &*ps else {
+                        candle_core::bail!("amp-linear-wgrad: the pre-activation is not on the CPU")
+                    };
+                    super::gelu::Gelu.cpu_fwd(pc, &layout)?
+                };
+                *self.pre.lock().unwrap_or_else(|e| e.into_inner()) = Some(pre);
+                Ok(out)
+            }
+        }
+    }
+
+    /// The gradient at the product's output: `g` through the activation's backward.
+    fn through_act(&self, res: &Tensor, g: &Tensor) -> Result<Tensor> {
+        let g = super::dense(g)?;
+        match self.act {
+            None => Ok(g),
+            Some(Act::Relu) => res.apply_op2_no_bwd(&g, &super::relu::ReluGrad),
+            Some(Act::Gelu) => {
+                let pre = self.pre.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                let pre = pre.ok_or_else(|| candle_core::Error::Msg("amp-linear-wgrad: no forward ran".into()))?;
+                pre.apply_op2_no_bwd(&g, &super::gelu::GeluGrad)
+            }
+        }
     }
 
     /// Gives the parameter gradients to the sink and returns `x`'s.
@@ -89,8 +151,8 @@ impl CustomOp1 for WgradLinear {
         self.fwd(s, l)
     }
 
-    fn bwd(&self, x: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
-        self.bwd_x(x, g)
+    fn bwd(&self, x: &Tensor, res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        self.bwd_x(x, &self.through_act(res, g)?)
     }
 }
 
@@ -105,14 +167,14 @@ impl CustomOp2 for WgradLinear {
         self.fwd(s1, l1)
     }
 
-    fn bwd(&self, x: &Tensor, _anchor: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        Ok((self.bwd_x(x, g)?, None))
+    fn bwd(&self, x: &Tensor, _anchor: &Tensor, res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((self.bwd_x(x, &self.through_act(res, g)?)?, None))
     }
 }
 
-/// `x w^T + b` as one node on `x`, whose backward sends the weight's and bias's f32 gradients
-/// to `sink` under `w_key` and `b_key` (each `None`: that gradient is not computed). `w` and
-/// `b` are the values to compute with, of `x`'s type. `None` where the node does not apply
+/// `act(x w^T + b)` as one node on `x`, whose backward sends the weight's and bias's f32
+/// gradients to `sink` under `w_key` and `b_key` (each `None`: that gradient is not computed).
+/// `w` and `b` are the values to compute with, of `x`'s type. `None` where the node does not apply
 /// (another device or type, the kernels off, a bias of another shape): the caller then runs
 /// [`super::linear`] with the parameters in the graph.
 pub(crate) fn linear(
@@ -122,6 +184,7 @@ pub(crate) fn linear(
     w_key: Option<&Tensor>,
     b_key: Option<&Tensor>,
     sink: Arc<dyn GradSink>,
+    act: Option<Act>,
 ) -> Result<Option<Tensor>> {
     let dt = x.dtype();
     let applies = super::enabled()
@@ -139,7 +202,7 @@ pub(crate) fn linear(
     }
     if x.rank() == 1 {
         // One row, as `kernels::linear` and PyTorch's `F.linear` take it.
-        let y = linear(&x.unsqueeze(0)?, w, b, w_key, b_key, sink)?;
+        let y = linear(&x.unsqueeze(0)?, w, b, w_key, b_key, sink, act)?;
         return y.map(|y| y.squeeze(0)).transpose();
     }
     let x = super::dense(x)?;
@@ -150,6 +213,8 @@ pub(crate) fn linear(
         b_key: b_key.cloned(),
         sink,
         x_grad: x.track_op(),
+        act,
+        pre: Mutex::new(None),
     };
     if node.x_grad {
         return Ok(Some(x.apply_op1(node)?));

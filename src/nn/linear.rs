@@ -5,15 +5,28 @@ use std::sync::Arc;
 use candle_core::{Result, Tensor};
 use candle_nn::{Module, VarBuilder};
 
+use crate::kernels::wgrad::Act;
 use crate::precision::{observe, ops};
 
-/// A linear layer `x w^T + b` that runs in half under autocast.
+/// An activation a [`Linear`] layer applies to its output ([`Linear::with_activation`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Activation {
+    /// `max(x, 0)`, as [`crate::ops::relu`] (gradient 0 at 0, as PyTorch's).
+    Relu,
+    /// GELU in the erf form, as [`crate::ops::gelu`] (in f32 under autocast).
+    Gelu,
+}
+
+/// A linear layer `x w^T + b` that runs in half under autocast, optionally followed by an
+/// activation.
 #[derive(Debug, Clone)]
 pub struct Linear {
     weight: Tensor,
     bias: Option<Tensor>,
     /// Its VarBuilder path (what the numerics doctor and per-layer f32 overrides call it).
     name: Option<Arc<str>>,
+    activation: Option<Activation>,
 }
 
 impl Linear {
@@ -23,7 +36,37 @@ impl Linear {
             weight,
             bias,
             name: None,
+            activation: None,
         }
+    }
+
+    /// The layer followed by `activation`: `forward` returns `activation(x w^T + b)`, the same
+    /// values and gradients, bit for bit, as applying [`crate::ops::relu`] or
+    /// [`crate::ops::gelu`] to the plain layer's output (Apex's `FusedDense` with its
+    /// activation). Inside a run, with half values on the CPU, the activation runs inside the
+    /// layer's node, so the pre-activation is never a half tensor of candle's graph (whose
+    /// backward would accumulate its gradient in half, slowly on the CPU); GELU under autocast
+    /// (O1) runs after the layer, in f32, as its cast policy says. The numerics doctor then
+    /// sees the activation's output as the layer's output.
+    ///
+    /// ```
+    /// use candle_amp::nn::{Activation, Linear};
+    /// use candle_core::{Device, Module, Tensor};
+    /// # fn main() -> candle_core::Result<()> {
+    /// let w = Tensor::new(&[[1f32, -1.], [2., 0.]], &Device::Cpu)?;
+    /// let layer = Linear::new(w, None).with_activation(Activation::Relu);
+    /// let y = layer.forward(&Tensor::new(&[[1f32, 3.]], &Device::Cpu)?)?;
+    /// assert_eq!(y.to_vec2::<f32>()?, [[0.0, 2.0]]);
+    /// # Ok(()) }
+    /// ```
+    pub fn with_activation(mut self, activation: Activation) -> Self {
+        self.activation = Some(activation);
+        self
+    }
+
+    /// The activation applied to the output, if any.
+    pub fn activation(&self) -> Option<Activation> {
+        self.activation
     }
 
     /// Names the layer (its VarBuilder path when built by the constructor function): the name
@@ -59,8 +102,12 @@ impl Linear {
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         observe::layer(self.name.as_ref(), x, Some(self.weight.dtype()), |x| {
-            // Parameters of a run: their gradients skip candle's graph (see `linear_layer`).
-            ops::linear_layer(x, &self.weight, self.bias.as_ref())
+            // Parameters of a run: their gradients skip candle's graph (see `linear_layer_act`).
+            let act = self.activation.map(|a| match a {
+                Activation::Relu => Act::Relu,
+                Activation::Gelu => Act::Gelu,
+            });
+            ops::linear_layer_act(x, &self.weight, self.bias.as_ref(), act)
         })
     }
 }

@@ -41,7 +41,7 @@ pub use batch_norm::{BatchNorm, batch_norm};
 pub use candle_nn::{BatchNormConfig, Conv1dConfig, Conv2dConfig, ConvTranspose2dConfig, LayerNormConfig};
 pub use conv::{Conv1d, Conv2d, ConvTranspose2d, conv_transpose2d, conv1d, conv2d};
 pub use dropout::Dropout;
-pub use linear::{Embedding, Linear, embedding, linear, linear_no_bias};
+pub use linear::{Activation, Embedding, Linear, embedding, linear, linear_no_bias};
 pub use norm::{GroupNorm, LayerNorm, RmsNorm, group_norm, layer_norm, rms_norm};
 
 pub use crate::precision::ops::{log_softmax, softmax};

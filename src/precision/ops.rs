@@ -16,6 +16,7 @@ use candle_core::{D, DType, Device, Result, Tensor};
 use super::autocast::{self, CastPolicy, eligible};
 use super::observe::op as rec;
 use crate::kernels;
+use crate::kernels::wgrad::Act;
 
 fn widest(xs: &[&Tensor]) -> Option<DType> {
     let floats: Vec<DType> = xs.iter().map(|t| t.dtype()).filter(|d| eligible(*d)).collect();
@@ -147,21 +148,46 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
 /// bias gradients go, in f32, to the run's stash instead of candle's graph
 /// ([`kernels::wgrad`](crate::kernels::wgrad)); a frozen parameter's gradient is not
 /// computed. Elsewhere (no run, parameters of a plain `VarMap`, all in f32) it is [`linear`].
-pub(crate) fn linear_layer(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+///
+/// Followed by `act` when given. Where the stashing node applies, the activation runs
+/// inside it (the same values, bit for bit, as the activation applied to the layer's output)
+/// and the pre-activation is no graph edge; GELU only outside autocast, whose policy runs it
+/// in f32. Elsewhere the layer and then [`relu`] or [`gelu`]. The numerics doctor records
+/// the fused node as the `linear` op (its output is the activation's).
+pub(crate) fn linear_layer_act(x: &Tensor, w: &Tensor, b: Option<&Tensor>, act: Option<Act>) -> Result<Tensor> {
     let mut args = vec![x, w];
     if let Some(b) = b {
         args.push(b);
     }
     let (xs, _) = prepare("linear", &args)?;
-    if let Some(y) = wgrad_linear(&xs, w, b)? {
-        return rec("linear", Ok(y));
+    let fused = match act {
+        Some(Act::Gelu) if autocast::is_enabled() => None,
+        a => a,
+    };
+    if let Some(y) = wgrad_linear(&xs, w, b, fused)? {
+        let y = rec("linear", Ok(y))?;
+        return match (act, fused) {
+            (Some(a), None) => apply_act(&y, a),
+            _ => Ok(y),
+        };
     }
-    rec("linear", kernels::linear(&xs[0], &xs[1], xs.get(2)))
+    let y = rec("linear", kernels::linear(&xs[0], &xs[1], xs.get(2)))?;
+    match act {
+        Some(a) => apply_act(&y, a),
+        None => Ok(y),
+    }
 }
 
-/// The stashing node for [`linear_layer`], or `None` where it does not apply. `xs`: the
+fn apply_act(y: &Tensor, act: Act) -> Result<Tensor> {
+    match act {
+        Act::Relu => relu(y),
+        Act::Gelu => gelu(y),
+    }
+}
+
+/// The stashing node for [`linear_layer_act`], or `None` where it does not apply. `xs`: the
 /// arguments as cast for the op; `w`, `b`: the layer's parameters.
-fn wgrad_linear(xs: &[Tensor], w: &Tensor, b: Option<&Tensor>) -> Result<Option<Tensor>> {
+fn wgrad_linear(xs: &[Tensor], w: &Tensor, b: Option<&Tensor>, act: Option<Act>) -> Result<Option<Tensor>> {
     let half = |t: &Tensor| matches!(t.dtype(), DType::F16 | DType::BF16);
     // All in f32 (O0, a layer kept in f32 at O1): candle's accumulation is f32 already.
     if !(half(&xs[1]) || half(w)) {
@@ -181,7 +207,7 @@ fn wgrad_linear(xs: &[Tensor], w: &Tensor, b: Option<&Tensor>) -> Result<Option<
         },
         None => None,
     };
-    kernels::wgrad::linear(&xs[0], &xs[1], xs.get(2), w_key.as_ref(), b_key.as_ref(), stash)
+    kernels::wgrad::linear(&xs[0], &xs[1], xs.get(2), w_key.as_ref(), b_key.as_ref(), stash, act)
 }
 
 /// candle's CPU backend has no bf16 convolution (its conv2d calls an f32/f16-only gemm):

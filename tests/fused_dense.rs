@@ -1,0 +1,261 @@
+//! `nn::Linear::with_activation`: the activation inside the layer's node (the pre-activation
+//! is no half edge of candle's graph) gives the same output, input gradient and parameter
+//! gradients, bit for bit, as the plain layer followed by `ops::relu` / `ops::gelu`, at
+//! every level, in f16 and bf16, on every instruction-set tier the CPU has, on the CPU and
+//! the forced device path. The plain layer's gradients are checked against f64 references
+//! and finite differences in `tests/wgrad.rs`; here the fused layer's are also checked
+//! against an f64 reference directly, for ReLU, whose derivative is exact.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use candle_amp::kernels::{self, Isa};
+use candle_amp::nn::{Activation, Linear, linear};
+use candle_amp::optim::{Sgd, SgdConfig};
+use candle_amp::{self as amp, AmpConfig, HalfType, OptLevel, ops};
+use candle_core::{DType, Device, Module, Tensor, Var};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// `force_isa` is process-wide: the tests of this file run one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+const M: usize = 24;
+const K: usize = 40;
+const H: usize = 48;
+const N: usize = 16;
+
+/// Values exact in f16 and bf16: multiples of `step` in `[-lim, lim]`.
+fn grid(n: usize, step: f32, lim: i32, seed: u64) -> Vec<f32> {
+    let mut r = ChaCha8Rng::seed_from_u64(seed);
+    (0..n).map(|_| r.random_range(-lim..=lim) as f32 * step).collect()
+}
+
+fn t2(v: &[f32], rows: usize, cols: usize) -> Tensor {
+    Tensor::from_vec(v.to_vec(), (rows, cols), &Device::Cpu).unwrap()
+}
+
+fn bits(t: &Tensor) -> Vec<u64> {
+    t.flatten_all()
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_vec1::<f64>()
+        .unwrap()
+        .into_iter()
+        .map(f64::to_bits)
+        .collect()
+}
+
+fn vals(t: &Tensor) -> Vec<f64> {
+    t.flatten_all()
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+/// Two layers: `fc1` with the activation fused, `plain1` the same parameters without it.
+struct Two {
+    fc1: Linear,
+    plain1: Linear,
+    fc2: Linear,
+    act: Activation,
+    /// Which of the two the model's forward runs.
+    fused: AtomicBool,
+}
+
+impl Two {
+    fn run(&self, x: &Tensor, fused: bool) -> candle_core::Result<Tensor> {
+        let h = if fused {
+            let h = self.fc1.forward(x)?;
+            if CAPTURE.with(|c| c.get()) {
+                HIDDEN.with(|c| *c.borrow_mut() = Some(h.clone()));
+            }
+            h
+        } else {
+            let y = self.plain1.forward(x)?;
+            match self.act {
+                Activation::Relu => ops::relu(&y)?,
+                _ => ops::gelu(&y)?,
+            }
+        };
+        self.fc2.forward(&h)
+    }
+}
+
+impl Module for Two {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.run(x, self.fused.load(Ordering::Relaxed))
+    }
+}
+
+/// What one forward and backward leaves: the output, the input's gradient, the master
+/// gradients.
+type Seen = (Vec<u64>, Vec<u64>, BTreeMap<String, Vec<u64>>, f64);
+
+fn check(level: OptLevel, half: HalfType, act: Activation, device_path: bool, what: &str) {
+    let cfg = AmpConfig::new(level)
+        .half(half)
+        .device_path(device_path)
+        .verbosity(0)
+        .seed(5);
+    let (model, mut opt, amp) = amp::initialize(
+        |vb| {
+            let fc1 = linear(K, H, vb.pp("fc1"))?;
+            let plain1 = Linear::new(fc1.weight().clone(), fc1.bias().cloned());
+            Ok(Two {
+                fc1: fc1.with_activation(act),
+                plain1,
+                fc2: linear(H, N, vb.pp("fc2"))?,
+                act,
+                fused: AtomicBool::new(true),
+            })
+        },
+        Sgd::new(SgdConfig::new(0.5)).unwrap(),
+        cfg,
+    )
+    .unwrap();
+    let x = Var::from_tensor(&t2(&grid(M * K, 0.125, 16, 1), M, K)).unwrap();
+    let r = t2(&grid(M * N, 1.0 / 64.0, 8, 2), M, N);
+    let mut once = |fused: bool| -> Seen {
+        model.inner().fused.store(fused, Ordering::Relaxed);
+        let y = model.forward(&x.as_tensor().affine(1.0, 0.0).unwrap()).unwrap();
+        let loss = (y.to_dtype(DType::F32).unwrap() * &r).unwrap().sum_all().unwrap();
+        let mut gx = None;
+        let report = amp
+            .scale_loss(&loss, &mut opt)
+            .unwrap()
+            .backward_with(|l| {
+                let g = l.backward()?;
+                gx = g.get(x.as_tensor()).cloned();
+                Ok(g)
+            })
+            .unwrap();
+        assert!(!report.found_inf, "{what}");
+        let grads = opt.master_grads().iter().map(|(k, v)| (k.clone(), bits(v))).collect();
+        let seen = (
+            bits(&y),
+            bits(&gx.expect("the input's gradient")),
+            grads,
+            report.loss_scale as f64,
+        );
+        opt.zero_grad();
+        seen
+    };
+    let fused = once(true);
+    let plain = once(false);
+    assert_eq!(fused.0, plain.0, "{what}: output");
+    assert_eq!(fused.1, plain.1, "{what}: input gradient");
+    assert_eq!(
+        fused.2.keys().collect::<Vec<_>>(),
+        ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
+    );
+    assert_eq!(fused.2, plain.2, "{what}: parameter gradients");
+    if act == Activation::Relu {
+        relu_reference(&model, &x, &r, &fused.2, fused.3, level, half, what);
+    }
+}
+
+/// fc1's weight gradient against f64 arithmetic on the values the layers computed with:
+/// `dW1 = (dy W2 * [h > 0])^T x`, where `h` and `dy W2` come from the model's own rounded
+/// forward values, and `dh` is rounded to the half type as the backward rounds it: scaled by
+/// the loss scale `scale`.
+#[allow(clippy::too_many_arguments)]
+fn relu_reference(
+    model: &amp::AmpModel<Two>,
+    x: &Var,
+    r: &Tensor,
+    grads: &BTreeMap<String, Vec<u64>>,
+    scale: f64,
+    level: OptLevel,
+    half: HalfType,
+    what: &str,
+) {
+    let dt = if level == OptLevel::O0 {
+        DType::F32
+    } else {
+        half.dtype()
+    };
+    let m = model.inner();
+    let at = |t: &Tensor| vals(&t.to_dtype(dt).unwrap());
+    // The forward's hidden values, through the model (its run context: the half copies).
+    m.fused.store(true, Ordering::Relaxed);
+    let h = vals(&hidden(model, x));
+    let (w2, xv, rv) = (at(m.fc2.weight()), at(x.as_tensor()), vals(r));
+    let mut gw = vec![0f64; H * K];
+    for i in 0..M {
+        for j in 0..H {
+            if h[i * H + j] <= 0.0 {
+                continue;
+            }
+            // The gradient at h, as the layer's backward computes it: of the scaled loss,
+            // rounded to the half type (the product dy W2 is written in x's type).
+            let dh: f64 = (0..N).map(|n| rv[i * N + n] * w2[n * H + j]).sum::<f64>() * scale;
+            let dh = Tensor::new(dh as f32, &Device::Cpu).unwrap().to_dtype(dt).unwrap();
+            let dh = dh.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap() / scale;
+            for k in 0..K {
+                gw[j * K + k] += dh * xv[i * K + k];
+            }
+        }
+    }
+    let got: Vec<f64> = grads["fc1.weight"].iter().map(|b| f64::from_bits(*b)).collect();
+    let scale = gw.iter().fold(0f64, |a, v| a.max(v.abs())).max(1e-30);
+    let err = got.iter().zip(&gw).fold(0f64, |a, (g, w)| a.max((g - w).abs())) / scale;
+    assert!(err < 2e-6, "{what}: fc1 weight gradient vs f64 {err}");
+}
+
+/// fc1's output as the model computes it in its run (fc2 replaced by an identity read).
+fn hidden(model: &amp::AmpModel<Two>, x: &Var) -> Tensor {
+    HIDDEN.with(|h| h.borrow_mut().take());
+    CAPTURE.with(|c| c.set(true));
+    model.forward(x.as_tensor()).unwrap();
+    CAPTURE.with(|c| c.set(false));
+    HIDDEN.with(|h| h.borrow_mut().take()).expect("captured")
+}
+
+thread_local! {
+    static CAPTURE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    static HIDDEN: std::cell::RefCell<Option<Tensor>> = const { std::cell::RefCell::new(None) };
+}
+
+#[test]
+fn fused_activations_match_the_unfused_layers_bit_for_bit_everywhere() {
+    let _s = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let tiers: Vec<Isa> = Isa::ALL.into_iter().filter(|i| *i <= kernels::detected_isa()).collect();
+    for isa in tiers {
+        kernels::force_isa(Some(isa));
+        for level in [OptLevel::O0, OptLevel::O1, OptLevel::O2, OptLevel::O3] {
+            for half in [HalfType::F16, HalfType::Bf16] {
+                for act in [Activation::Relu, Activation::Gelu] {
+                    for device_path in [false, true] {
+                        let what = format!("{level:?} {half:?} {act:?} {isa:?} device_path={device_path}");
+                        check(level, half, act, device_path, &what);
+                    }
+                }
+            }
+        }
+    }
+    kernels::force_isa(None);
+}
+
+/// The fused layer keeps the activation's edge cases: NaN stays NaN through ReLU, GELU of
+/// an empty batch is empty, and outside a run (plain candle use) it is the same function.
+#[test]
+fn the_fused_layer_outside_a_run_and_on_edge_cases() {
+    let _s = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let w = Tensor::new(&[[1f32, 0.], [0., 1.]], &Device::Cpu).unwrap();
+    let relu = Linear::new(w.clone(), None).with_activation(Activation::Relu);
+    let x = Tensor::new(&[[f32::NAN, 1.], [-2., 3.]], &Device::Cpu).unwrap();
+    let y = relu.forward(&x).unwrap().to_vec2::<f32>().unwrap();
+    assert!(y[0][0].is_nan() && y[0][1].is_nan(), "{y:?}");
+    assert_eq!(y[1], [0.0, 3.0]);
+    let gelu = Linear::new(w, None).with_activation(Activation::Gelu);
+    let empty = gelu
+        .forward(&Tensor::zeros((0, 2), DType::F32, &Device::Cpu).unwrap())
+        .unwrap();
+    assert_eq!(empty.dims(), [0, 2]);
+    assert_eq!(gelu.activation(), Some(Activation::Gelu));
+}
