@@ -11,7 +11,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use candle_amp::kernels::{self, Isa};
-use candle_amp::nn::{Activation, Linear, linear};
+use candle_amp::nn::{Activation, Linear, Mlp, linear};
 use candle_amp::optim::{Sgd, SgdConfig};
 use candle_amp::{self as amp, AmpConfig, HalfType, OptLevel, ops};
 use candle_core::{DType, Device, Module, Tensor, Var};
@@ -258,4 +258,114 @@ fn the_fused_layer_outside_a_run_and_on_edge_cases() {
         .unwrap();
     assert_eq!(empty.dims(), [0, 2]);
     assert_eq!(gelu.activation(), Some(Activation::Gelu));
+}
+
+/// `nn::Mlp` runs its layers as one node; layer by layer is the reference.
+struct Chain {
+    mlp: Mlp,
+    fused: AtomicBool,
+}
+
+impl Module for Chain {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        if self.fused.load(Ordering::Relaxed) {
+            self.mlp.forward(x)
+        } else {
+            self.mlp.layers().iter().try_fold(x.clone(), |h, l| l.forward(&h))
+        }
+    }
+}
+
+fn check_chain(level: OptLevel, half: HalfType, act: Activation, device_path: bool, x_grad: bool, what: &str) {
+    let cfg = AmpConfig::new(level)
+        .half(half)
+        .device_path(device_path)
+        .verbosity(0)
+        .seed(7);
+    let (model, mut opt, amp) = amp::initialize(
+        |vb| {
+            Ok(Chain {
+                mlp: Mlp::new(vec![
+                    linear(K, H, vb.pp("fc1"))?.with_activation(act),
+                    linear(H, H, vb.pp("fc2"))?.with_activation(Activation::Relu),
+                    linear(H, N, vb.pp("fc3"))?,
+                ]),
+                fused: AtomicBool::new(true),
+            })
+        },
+        Sgd::new(SgdConfig::new(0.5)).unwrap(),
+        cfg,
+    )
+    .unwrap();
+    let x = Var::from_tensor(&t2(&grid(M * K, 0.125, 16, 3), M, K)).unwrap();
+    let r = t2(&grid(M * N, 1.0 / 64.0, 8, 4), M, N);
+    let mut once = |fused: bool| {
+        model.inner().fused.store(fused, Ordering::Relaxed);
+        // Through a differentiable op, the input takes a gradient; data as it is does not.
+        let input = if x_grad {
+            x.as_tensor().affine(1.0, 0.0).unwrap()
+        } else {
+            x.as_tensor().detach()
+        };
+        let y = model.forward(&input).unwrap();
+        let loss = (y.to_dtype(DType::F32).unwrap() * &r).unwrap().sum_all().unwrap();
+        let mut gx = None;
+        let report = amp
+            .scale_loss(&loss, &mut opt)
+            .unwrap()
+            .backward_with(|l| {
+                let g = l.backward()?;
+                gx = g.get(x.as_tensor()).map(bits);
+                Ok(g)
+            })
+            .unwrap();
+        assert!(!report.found_inf, "{what}");
+        let grads: BTreeMap<String, Vec<u64>> = opt.master_grads().iter().map(|(k, v)| (k.clone(), bits(v))).collect();
+        opt.zero_grad();
+        (bits(&y), gx, grads)
+    };
+    let fused = once(true);
+    let plain = once(false);
+    assert_eq!(fused.0, plain.0, "{what}: output");
+    assert_eq!(fused.1, plain.1, "{what}: input gradient");
+    assert_eq!(fused.1.is_some(), x_grad, "{what}: input gradient present");
+    assert_eq!(fused.2.len(), 6, "{what}");
+    assert_eq!(fused.2, plain.2, "{what}: parameter gradients");
+}
+
+#[test]
+fn a_chain_of_layers_as_one_node_matches_the_layers_one_by_one_everywhere() {
+    let _s = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let tiers: Vec<Isa> = Isa::ALL.into_iter().filter(|i| *i <= kernels::detected_isa()).collect();
+    for isa in tiers {
+        kernels::force_isa(Some(isa));
+        for level in [OptLevel::O0, OptLevel::O1, OptLevel::O2, OptLevel::O3] {
+            for half in [HalfType::F16, HalfType::Bf16] {
+                for act in [Activation::Relu, Activation::Gelu] {
+                    for device_path in [false, true] {
+                        for x_grad in [true, false] {
+                            let what =
+                                format!("{level:?} {half:?} {act:?} {isa:?} device_path={device_path} x_grad={x_grad}");
+                            check_chain(level, half, act, device_path, x_grad, &what);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    kernels::force_isa(None);
+}
+
+/// An empty chain is the identity; a chain whose widths do not match fails as the layers do.
+#[test]
+fn empty_and_mismatched_chains() {
+    let _s = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let x = Tensor::new(&[[1f32, 2.]], &Device::Cpu).unwrap();
+    assert_eq!(
+        Mlp::new(vec![]).forward(&x).unwrap().to_vec2::<f32>().unwrap(),
+        [[1.0, 2.0]]
+    );
+    let w = Tensor::ones((3, 2), DType::F32, &Device::Cpu).unwrap();
+    let bad = Mlp::new(vec![Linear::new(w.clone(), None), Linear::new(w, None)]);
+    assert!(bad.forward(&x).is_err());
 }

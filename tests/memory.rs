@@ -89,7 +89,8 @@ impl Everything {
                 },
                 vb.pp("c1d"),
             )?,
-            proj: ann::linear(4, 8, vb.pp("proj"))?,
+            // The activation inside the layer's node (the fused path keeps GELU's input).
+            proj: ann::linear(4, 8, vb.pp("proj"))?.with_activation(ann::Activation::Gelu),
             emb: ann::embedding(16, 8, vb.pp("emb"))?,
             ln: ann::layer_norm(8, 1e-5, vb.pp("ln"))?,
             q: ann::linear_no_bias(8, 8, vb.pp("q"))?,
@@ -219,7 +220,11 @@ struct Block {
 impl ModuleT for Block {
     fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
         let (up, down) = (self.up.clone(), self.down.clone());
-        let ffn = move |x: &Tensor| down.forward(&ops::gelu(&up.forward(x)?)?);
+        let ffn = move |x: &Tensor| match up.activation() {
+            // Fused: the node keeps the pre-activation, recomputed in each slice.
+            Some(_) => down.forward(&up.forward(x)?),
+            None => down.forward(&ops::gelu(&up.forward(x)?)?),
+        };
         let h = self.rc.chunked_forward(&ffn, 3, 1, x, train)?;
         ops::add(x, &self.drop.forward_t(&h, train)?)
     }
@@ -239,7 +244,10 @@ fn memory_is_flat_with_recomputation() {
                 (0..4)
                     .map(|i| {
                         Ok(Block {
-                            up: ann::linear(16, 32, vb.pp(format!("b{i}.up")))?,
+                            up: match ann::linear(16, 32, vb.pp(format!("b{i}.up")))? {
+                                up if i % 2 == 0 => up.with_activation(ann::Activation::Gelu),
+                                up => up,
+                            },
                             down: ann::linear(32, 16, vb.pp(format!("b{i}.down")))?,
                             drop: ann::Dropout::new(0.1, drop.clone())?,
                             rc: rc.clone(),

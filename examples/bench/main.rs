@@ -44,6 +44,13 @@
 //! else from `PATH`) and adds the ratios to PyTorch to the targets; without torch it says
 //! why on stderr, sets `torch_error` and omits them. `--torch FILE` reads what the script
 //! printed instead.
+//!
+//! Profiling aids (environment variables, each runs one thing and prints to stderr):
+//! `BENCH_MLP=LEVEL:HALF`, `BENCH_TRANSFORMER=[MODEL:]LEVEL:HALF` (one configuration's
+//! median step), `BENCH_PAIR=MODEL:LEVEL:HALF` (that configuration and O0 step by step in
+//! turn, `--steps` pairs, and the median per-pair ratio: steadier than two medians on a shared
+//! machine), `BENCH_OPS=1` (each element-wise op per type at the `--isa` tier),
+//! `BENCH_GEMM_ONLY`, `BENCH_DOCTOR_ONLY`, `BENCH_SAVERS_ONLY`.
 
 #[path = "../train/data.rs"]
 #[allow(dead_code)]
@@ -58,6 +65,7 @@ mod gpu;
 mod machine;
 mod measure;
 mod ops;
+mod pair;
 mod peer;
 mod report;
 
@@ -214,6 +222,9 @@ fn main() -> Result<()> {
         let r = mlp_step(l.parse()?, h.parse()?, hidden, &data)?;
         eprintln!("{which}: {:.2} ms, {} bytes allocated per step", r.ms, r.alloc_bytes);
         return Ok(());
+    }
+    if let Ok(which) = std::env::var("BENCH_PAIR") {
+        return pair::paired(&which, steps, hidden, &data, a.quick);
     }
     // BENCH_TRANSFORMER=O2:bf16 runs the example transformer alone; MODEL:O2:bf16 picks
     // another of `measure::transformers` (`memory`, `mid`).

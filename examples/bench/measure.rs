@@ -92,23 +92,24 @@ pub fn gemm_gflops(size: usize, reps: usize) -> Result<Value> {
     Ok(Value::Object(out))
 }
 
-/// The benchmark MLP: 64 -> hidden -> hidden -> 10 with ReLU, from `candle_amp::nn`.
-pub struct Mlp(ann::Linear, ann::Linear, ann::Linear);
+/// The benchmark MLP: 64 -> hidden -> hidden -> 10 with ReLU, from `candle_amp::nn`: the
+/// fused `nn::Mlp` (one node in a run, so no half tensor between its layers is an edge of
+/// candle's graph).
+pub struct Mlp(ann::Mlp);
 
 impl Mlp {
     pub fn new(vb: VarBuilder, input: usize, hidden: usize) -> candle_core::Result<Self> {
-        Ok(Self(
-            // ReLU inside the layers: the pre-activations are no half edges of the graph.
+        Ok(Self(ann::Mlp::new(vec![
             ann::linear(input, hidden, vb.pp("fc1"))?.with_activation(ann::Activation::Relu),
             ann::linear(hidden, hidden, vb.pp("fc2"))?.with_activation(ann::Activation::Relu),
             ann::linear(hidden, 10, vb.pp("fc3"))?,
-        ))
+        ])))
     }
 }
 
 impl Module for Mlp {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.2.forward(&self.1.forward(&self.0.forward(x)?)?)
+        self.0.forward(x)
     }
 }
 
@@ -164,9 +165,9 @@ pub struct MlpStep {
 
 /// The MLP training step at a level: median time, then the allocations of one more step.
 pub fn mlp_step(level: OptLevel, half: HalfType, hidden: usize, data: &[(Tensor, Tensor)]) -> Result<MlpStep> {
-    let cfg = AmpConfig::new(level).half(half).verbosity(0);
-    let (model, mut opt, amp) = amp::initialize(|vb| Mlp::new(vb, 64, hidden), adamw()?, cfg)?;
-    let param_bytes = amp
+    let mut run = MlpRun::new(level, half, hidden, data)?;
+    let param_bytes = run
+        .amp
         .store()
         .params()
         .iter()
@@ -174,33 +175,57 @@ pub fn mlp_step(level: OptLevel, half: HalfType, hidden: usize, data: &[(Tensor,
         .flatten()
         .map(|t| t.elem_count() * t.dtype().size_in_bytes())
         .sum();
-    let mut i = 0;
-    let mut step = || -> Result<()> {
-        let (x, y) = &data[i % data.len()];
-        i += 1;
-        let loss = ops::cross_entropy(&model.forward(x)?, y)?;
-        amp.scale_loss(&loss, &mut opt)?.backward()?;
-        opt.step()?;
-        opt.zero_grad();
-        Ok(())
-    };
-    let syncs0 = amp.host_syncs();
+    let syncs0 = run.amp.host_syncs();
     let timed = data.len() - 1;
-    let s = median_s(timed, &mut step)?;
+    let s = median_s(timed, || run.step())?;
     // `median_s` runs one warm-up step before the timed ones.
-    let host_syncs_per_step = (amp.host_syncs() - syncs0) as f64 / (timed + 1) as f64;
+    let host_syncs_per_step = (run.amp.host_syncs() - syncs0) as f64 / (timed + 1) as f64;
     // Counted after the timed steps, so buffers the run keeps across steps already exist
     // and only what every step allocates afresh remains.
     let before = counting::allocated();
-    step()?;
+    run.step()?;
     let alloc_bytes = counting::allocated() - before;
     Ok(MlpStep {
         ms: s * 1e3,
         alloc_bytes,
         param_bytes,
         host_syncs_per_step,
-        device_path: amp.device_path(),
+        device_path: run.amp.device_path(),
     })
+}
+
+/// One MLP training run at a level: [`MlpRun::step`] takes the next batch.
+pub struct MlpRun<'a> {
+    model: amp::AmpModel<Mlp>,
+    opt: amp::AmpOptimizer,
+    amp: amp::Amp,
+    data: &'a [(Tensor, Tensor)],
+    i: usize,
+}
+
+impl<'a> MlpRun<'a> {
+    pub fn new(level: OptLevel, half: HalfType, hidden: usize, data: &'a [(Tensor, Tensor)]) -> Result<Self> {
+        let cfg = AmpConfig::new(level).half(half).verbosity(0);
+        let (model, opt, amp) = amp::initialize(|vb| Mlp::new(vb, 64, hidden), adamw()?, cfg)?;
+        Ok(Self {
+            model,
+            opt,
+            amp,
+            data,
+            i: 0,
+        })
+    }
+
+    /// One training step: forward, scaled backward, optimizer step, zeroed gradients.
+    pub fn step(&mut self) -> Result<()> {
+        let (x, y) = &self.data[self.i % self.data.len()];
+        self.i += 1;
+        let loss = ops::cross_entropy(&self.model.forward(x)?, y)?;
+        self.amp.scale_loss(&loss, &mut self.opt)?.backward()?;
+        self.opt.step()?;
+        self.opt.zero_grad();
+        Ok(())
+    }
 }
 
 /// The same MLP in a plain candle loop: VarMap, candle-nn layers and AdamW.
@@ -294,41 +319,67 @@ fn transformer_run(
     reps: usize,
     with_peak: bool,
 ) -> Result<(f64, f64)> {
-    let cfg = AmpConfig::new(level).half(half).verbosity(0);
-    let amp = amp::Amp::new(cfg, &Device::Cpu)?;
-    let dropout = amp.generator("dropout");
-    let rc = (c.checkpoint > 0 || c.ffn_chunk > 0).then(|| amp::recompute::Recompute::new(&amp));
-    let model = amp.model(|vb| models::Transformer::new(vb, c, dropout, rc.clone()))?;
-    let mut opt = amp.optimizer(adamw()?)?;
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
-    let batches: Vec<_> = (0..reps + 2)
-        .map(|_| seq_batch(&mut rng, batch, c.context, c.vocab))
-        .collect::<Result<_>>()?;
-    let mut i = 0;
-    let mut step = |measure: bool| -> Result<isize> {
-        let (x, y) = &batches[i % batches.len()];
-        i += 1;
-        let before = counting::reset_peak();
-        let logits = model.forward_t(x, true)?;
-        let loss = ops::cross_entropy(&logits, y)?;
-        drop(logits);
-        let guard = amp.scale_loss(&loss, &mut opt)?;
-        match &rc {
-            Some(rc) => guard.backward_with(|l| rc.backward(l))?,
-            None => guard.backward()?,
-        };
-        opt.step()?;
-        opt.zero_grad();
-        Ok(if measure { counting::peak() - before } else { 0 })
-    };
+    let mut run = TransformerRun::new(level, half, c, batch, reps + 2)?;
     let peak = if with_peak {
-        step(false)?;
-        step(true)? as f64 / (1 << 20) as f64
+        run.step(false)?;
+        run.step(true)? as f64 / (1 << 20) as f64
     } else {
         f64::NAN
     };
-    let s = median_s(reps, || step(false).map(|_| ()))?;
+    let s = median_s(reps, || run.step(false).map(|_| ()))?;
     Ok((s * 1e3, peak))
+}
+
+/// One transformer training run at a level, over `n` fixed batches.
+pub struct TransformerRun {
+    model: amp::AmpModel<models::Transformer>,
+    opt: amp::AmpOptimizer,
+    amp: amp::Amp,
+    rc: Option<amp::recompute::Recompute>,
+    batches: Vec<(Tensor, Tensor)>,
+    i: usize,
+}
+
+impl TransformerRun {
+    pub fn new(level: OptLevel, half: HalfType, c: models::TransformerConfig, batch: usize, n: usize) -> Result<Self> {
+        let cfg = AmpConfig::new(level).half(half).verbosity(0);
+        let amp = amp::Amp::new(cfg, &Device::Cpu)?;
+        let dropout = amp.generator("dropout");
+        let rc = (c.checkpoint > 0 || c.ffn_chunk > 0).then(|| amp::recompute::Recompute::new(&amp));
+        let model = amp.model(|vb| models::Transformer::new(vb, c, dropout, rc.clone()))?;
+        let opt = amp.optimizer(adamw()?)?;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
+        let batches: Vec<_> = (0..n)
+            .map(|_| seq_batch(&mut rng, batch, c.context, c.vocab))
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            model,
+            opt,
+            amp,
+            rc,
+            batches,
+            i: 0,
+        })
+    }
+
+    /// One training step; with `measure`, the peak bytes it allocated beyond what was live
+    /// before it (else 0).
+    pub fn step(&mut self, measure: bool) -> Result<isize> {
+        let (x, y) = &self.batches[self.i % self.batches.len()];
+        self.i += 1;
+        let before = counting::reset_peak();
+        let logits = self.model.forward_t(x, true)?;
+        let loss = ops::cross_entropy(&logits, y)?;
+        drop(logits);
+        let guard = self.amp.scale_loss(&loss, &mut self.opt)?;
+        match &self.rc {
+            Some(rc) => guard.backward_with(|l| rc.backward(l))?,
+            None => guard.backward()?,
+        };
+        self.opt.step()?;
+        self.opt.zero_grad();
+        Ok(if measure { counting::peak() - before } else { 0 })
+    }
 }
 
 /// Gradient checkpointing and chunked feed-forward on the example transformer with 8 blocks

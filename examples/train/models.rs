@@ -10,29 +10,24 @@ use candle_nn::{Module, ModuleT, VarBuilder};
 
 /// An MLP `input -> hidden -> hidden -> classes` with ReLU.
 #[derive(Debug, Clone)]
-pub struct Mlp {
-    fc1: ann::Linear,
-    fc2: ann::Linear,
-    fc3: ann::Linear,
-}
+pub struct Mlp(ann::Mlp);
 
 impl Mlp {
     /// Builds the MLP with parameters `fc1.*`, `fc2.*`, `fc3.*`.
     pub fn new(vb: VarBuilder, input: usize, hidden: usize, classes: usize) -> Result<Self> {
-        Ok(Self {
-            // The activations run inside the layers (`with_activation`): the pre-activations
-            // are then no half tensors of candle's graph.
-            fc1: ann::linear(input, hidden, vb.pp("fc1"))?.with_activation(Activation::Relu),
-            fc2: ann::linear(hidden, hidden, vb.pp("fc2"))?.with_activation(Activation::Relu),
-            fc3: ann::linear(hidden, classes, vb.pp("fc3"))?,
-        })
+        // The activations run inside the layers (`with_activation`) and the layers as one
+        // fused module (`nn::Mlp`): no half tensor between them is an edge of candle's graph.
+        Ok(Self(ann::Mlp::new(vec![
+            ann::linear(input, hidden, vb.pp("fc1"))?.with_activation(Activation::Relu),
+            ann::linear(hidden, hidden, vb.pp("fc2"))?.with_activation(Activation::Relu),
+            ann::linear(hidden, classes, vb.pp("fc3"))?,
+        ])))
     }
 }
 
 impl Module for Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.fc2.forward(&self.fc1.forward(x)?)?;
-        self.fc3.forward(&h)
+        self.0.forward(x)
     }
 }
 
@@ -103,13 +98,13 @@ pub struct TransformerConfig {
 #[derive(Debug, Clone)]
 struct Ffn {
     ln2: ann::LayerNorm,
-    up: ann::Linear,
-    down: ann::Linear,
+    /// Up projection with GELU, then down projection, as one fused module (`nn::Mlp`).
+    mlp: ann::Mlp,
 }
 
 impl Module for Ffn {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.down.forward(&self.up.forward(&self.ln2.forward(x)?)?)
+        self.mlp.forward(&self.ln2.forward(x)?)
     }
 }
 
@@ -138,8 +133,10 @@ impl Block {
             o: ann::linear(d, d, vb.pp("o"))?,
             ffn: Ffn {
                 ln2: ann::layer_norm(d, 1e-5, vb.pp("ln2"))?,
-                up: ann::linear(d, 4 * d, vb.pp("up"))?.with_activation(Activation::Gelu),
-                down: ann::linear(4 * d, d, vb.pp("down"))?,
+                mlp: ann::Mlp::new(vec![
+                    ann::linear(d, 4 * d, vb.pp("up"))?.with_activation(Activation::Gelu),
+                    ann::linear(4 * d, d, vb.pp("down"))?,
+                ]),
             },
             drop: ann::Dropout::new(c.dropout, drop)?,
             heads: c.heads,

@@ -29,6 +29,7 @@ mod amx;
 mod bf16_gemm;
 pub(crate) mod capture;
 mod cast;
+pub(crate) mod chain;
 mod dispatch;
 pub(crate) mod elementwise;
 pub(crate) mod fingerprint;

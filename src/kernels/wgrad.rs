@@ -35,7 +35,7 @@ pub(crate) enum Act {
 }
 
 /// The node: the values it computes with and the parameters its gradients are for.
-struct WgradLinear {
+pub(super) struct WgradLinear {
     /// The weight as computed with (`x`'s type; a half copy at O1), detached.
     w: Tensor,
     /// The bias as computed with (n contiguous values), detached.
@@ -46,12 +46,52 @@ struct WgradLinear {
     b_key: Option<Tensor>,
     sink: Arc<dyn GradSink>,
     /// Whether `x` takes a gradient (false: the node hangs off an anchor, see [`linear`]).
-    x_grad: bool,
+    pub(super) x_grad: bool,
     /// The activation applied to the product, if any.
     act: Option<Act>,
     /// GELU's pre-activation, rounded to the output type as the unfused layer's output is,
     /// kept by the forward for the backward.
     pre: Mutex<Option<Tensor>>,
+}
+
+/// Whether the node computes `x w^T + b`: the kernels on, one supported type, the CPU, a 2-d
+/// weight and a bias of its rows.
+pub(super) fn applies(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> bool {
+    let dt = x.dtype();
+    super::enabled()
+        && supported(dt)
+        && w.dtype() == dt
+        && b.is_none_or(|b| b.dtype() == dt)
+        && x.device().is_cpu()
+        && w.device().is_cpu()
+        && b.is_none_or(|b| b.device().is_cpu())
+        && x.rank() >= 1
+        && w.rank() == 2
+        && b.is_none_or(|b| b.dims() == [w.dims()[0]])
+}
+
+impl WgradLinear {
+    /// The node for `w`, `b` (detached copies are kept) and the keys their gradients go under.
+    pub(super) fn new(
+        w: &Tensor,
+        b: Option<&Tensor>,
+        w_key: Option<&Tensor>,
+        b_key: Option<&Tensor>,
+        sink: Arc<dyn GradSink>,
+        x_grad: bool,
+        act: Option<Act>,
+    ) -> Result<Self> {
+        Ok(Self {
+            w: super::dense(&w.detach())?,
+            b: b.map(|b| super::dense(&b.detach())).transpose()?,
+            w_key: w_key.cloned(),
+            b_key: b_key.cloned(),
+            sink,
+            x_grad,
+            act,
+            pre: Mutex::new(None),
+        })
+    }
 }
 
 /// A CPU storage as a tensor of `shape`.
@@ -103,8 +143,13 @@ impl WgradLinear {
         }
     }
 
+    /// Whether any parameter gradient is wanted.
+    pub(super) fn has_keys(&self) -> bool {
+        self.w_key.is_some() || self.b_key.is_some()
+    }
+
     /// The gradient at the product's output: `g` through the activation's backward.
-    fn through_act(&self, res: &Tensor, g: &Tensor) -> Result<Tensor> {
+    pub(super) fn through_act(&self, res: &Tensor, g: &Tensor) -> Result<Tensor> {
         let g = super::dense(g)?;
         match self.act {
             None => Ok(g),
@@ -117,8 +162,10 @@ impl WgradLinear {
         }
     }
 
-    /// Gives the parameter gradients to the sink and returns `x`'s.
-    fn bwd_x(&self, x: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+    /// Gives the parameter gradients to the sink and returns `x`'s: for candle's graph
+    /// (`graph`, [`super::graph_grad::for_candle`]'s layout) or dense, for the next layer of a
+    /// chain.
+    pub(super) fn bwd_x(&self, x: &Tensor, g: &Tensor, graph: bool) -> Result<Option<Tensor>> {
         let (n, k) = self.w.dims2()?;
         let m: usize = x.dims()[..x.rank().saturating_sub(1)].iter().product();
         let g = super::dense(g)?;
@@ -135,7 +182,11 @@ impl WgradLinear {
         // dx = g . w (m x n . n x k), in x's type.
         if self.x_grad {
             let dx = bmm(&g2, &self.w, false, false)?.reshape(x.shape())?;
-            Ok(Some(super::graph_grad::for_candle(dx)?))
+            if graph {
+                Ok(Some(super::graph_grad::for_candle(dx)?))
+            } else {
+                Ok(Some(dx))
+            }
         } else {
             Ok(None)
         }
@@ -152,7 +203,7 @@ impl CustomOp1 for WgradLinear {
     }
 
     fn bwd(&self, x: &Tensor, res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
-        self.bwd_x(x, &self.through_act(res, g)?)
+        self.bwd_x(x, &self.through_act(res, g)?, true)
     }
 }
 
@@ -168,7 +219,7 @@ impl CustomOp2 for WgradLinear {
     }
 
     fn bwd(&self, x: &Tensor, _anchor: &Tensor, res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        Ok((self.bwd_x(x, &self.through_act(res, g)?)?, None))
+        Ok((self.bwd_x(x, &self.through_act(res, g)?, true)?, None))
     }
 }
 
@@ -186,18 +237,7 @@ pub(crate) fn linear(
     sink: Arc<dyn GradSink>,
     act: Option<Act>,
 ) -> Result<Option<Tensor>> {
-    let dt = x.dtype();
-    let applies = super::enabled()
-        && supported(dt)
-        && w.dtype() == dt
-        && b.is_none_or(|b| b.dtype() == dt)
-        && x.device().is_cpu()
-        && w.device().is_cpu()
-        && b.is_none_or(|b| b.device().is_cpu())
-        && x.rank() >= 1
-        && w.rank() == 2
-        && b.is_none_or(|b| b.dims() == [w.dims()[0]]);
-    if !applies {
+    if !applies(x, w, b) {
         return Ok(None);
     }
     if x.rank() == 1 {
@@ -206,16 +246,7 @@ pub(crate) fn linear(
         return y.map(|y| y.squeeze(0)).transpose();
     }
     let x = super::dense(x)?;
-    let node = WgradLinear {
-        w: super::dense(&w.detach())?,
-        b: b.map(|b| super::dense(&b.detach())).transpose()?,
-        w_key: w_key.cloned(),
-        b_key: b_key.cloned(),
-        sink,
-        x_grad: x.track_op(),
-        act,
-        pre: Mutex::new(None),
-    };
+    let node = WgradLinear::new(w, b, w_key, b_key, sink, x.track_op(), act)?;
     if node.x_grad {
         return Ok(Some(x.apply_op1(node)?));
     }

@@ -33,6 +33,7 @@ mod batch_norm;
 mod conv;
 mod dropout;
 mod linear;
+mod mlp;
 mod norm;
 mod sync_batch_norm;
 
@@ -42,6 +43,7 @@ pub use candle_nn::{BatchNormConfig, Conv1dConfig, Conv2dConfig, ConvTranspose2d
 pub use conv::{Conv1d, Conv2d, ConvTranspose2d, conv_transpose2d, conv1d, conv2d};
 pub use dropout::Dropout;
 pub use linear::{Activation, Embedding, Linear, embedding, linear, linear_no_bias};
+pub use mlp::Mlp;
 pub use norm::{GroupNorm, LayerNorm, RmsNorm, group_norm, layer_norm, rms_norm};
 
 pub use crate::precision::ops::{log_softmax, softmax};

@@ -178,6 +178,57 @@ pub(crate) fn linear_layer_act(x: &Tensor, w: &Tensor, b: Option<&Tensor>, act: 
     }
 }
 
+/// Linear layers (weight, bias, activation after it) applied in turn to `x` as one node of
+/// the run ([`kernels::chain`](crate::kernels::chain)), or `None` where that does not apply
+/// and the caller runs the layers one by one: outside a run, when an observer records the
+/// step or a layer is kept in f32 (both work per named layer), with GELU under autocast
+/// (which runs it in f32), when nothing computes in half, and wherever a single layer's
+/// stashing node would not apply.
+pub(crate) fn linear_chain(x: &Tensor, layers: &[(&Tensor, Option<&Tensor>, Option<Act>)]) -> Result<Option<Tensor>> {
+    if autocast::hooked_context().is_some() {
+        return Ok(None);
+    }
+    let Some(stash) = autocast::run_stash() else {
+        return Ok(None);
+    };
+    if autocast::is_enabled() && layers.iter().any(|l| l.2 == Some(Act::Gelu)) {
+        return Ok(None);
+    }
+    let (xs, _) = prepare("linear", &[x])?;
+    if !matches!(xs[0].dtype(), DType::F16 | DType::BF16) {
+        return Ok(None);
+    }
+    let key = |p: &Tensor| stash.trains(p).map(|t| t.then(|| p.clone()));
+    let mut cast = Vec::with_capacity(layers.len());
+    for (w, b, act) in layers {
+        let mut args = vec![*w];
+        if let Some(b) = b {
+            args.push(b);
+        }
+        let (ps, _) = prepare("linear", &args)?;
+        let Some(w_key) = key(w) else { return Ok(None) };
+        let b_key = match b {
+            Some(b) => match key(b) {
+                Some(k) => k,
+                None => return Ok(None),
+            },
+            None => None,
+        };
+        cast.push((ps, w_key, b_key, *act));
+    }
+    let chain: Vec<kernels::chain::ChainLayer<'_>> = cast
+        .iter()
+        .map(|(ps, wk, bk, act)| kernels::chain::ChainLayer {
+            w: &ps[0],
+            b: ps.get(1),
+            w_key: wk.as_ref(),
+            b_key: bk.as_ref(),
+            act: *act,
+        })
+        .collect();
+    kernels::chain::chain(&xs[0], &chain, stash)
+}
+
 fn apply_act(y: &Tensor, act: Act) -> Result<Tensor> {
     match act {
         Act::Relu => relu(y),
