@@ -4,7 +4,9 @@
 //! every level, in f16 and bf16, on every instruction-set tier the CPU has, on the CPU and
 //! the forced device path. The plain layer's gradients are checked against f64 references
 //! and finite differences in `tests/wgrad.rs`; here the fused layer's are also checked
-//! against an f64 reference directly, for ReLU, whose derivative is exact.
+//! against an f64 reference directly, for ReLU, whose derivative is exact. And the fusion
+//! takes effect: the loss's graph has that many fewer half tensors (candle's backward
+//! accumulates a gradient in half for each).
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -94,7 +96,15 @@ impl Module for Two {
 
 /// What one forward and backward leaves: the output, the input's gradient, the master
 /// gradients.
-type Seen = (Vec<u64>, Vec<u64>, BTreeMap<String, Vec<u64>>, f64);
+type Seen = (Vec<u64>, Vec<u64>, BTreeMap<String, Vec<u64>>, f64, usize);
+
+/// The half tensors of the loss's graph: the edges whose gradients candle accumulates in half.
+fn half_nodes(loss: &Tensor) -> usize {
+    loss.sorted_nodes()
+        .iter()
+        .filter(|t| matches!(t.dtype(), DType::F16 | DType::BF16))
+        .count()
+}
 
 fn check(level: OptLevel, half: HalfType, act: Activation, device_path: bool, what: &str) {
     let cfg = AmpConfig::new(level)
@@ -124,6 +134,7 @@ fn check(level: OptLevel, half: HalfType, act: Activation, device_path: bool, wh
         model.inner().fused.store(fused, Ordering::Relaxed);
         let y = model.forward(&x.as_tensor().affine(1.0, 0.0).unwrap()).unwrap();
         let loss = (y.to_dtype(DType::F32).unwrap() * &r).unwrap().sum_all().unwrap();
+        let nodes = half_nodes(&loss);
         let mut gx = None;
         let report = amp
             .scale_loss(&loss, &mut opt)
@@ -141,6 +152,7 @@ fn check(level: OptLevel, half: HalfType, act: Activation, device_path: bool, wh
             bits(&gx.expect("the input's gradient")),
             grads,
             report.loss_scale as f64,
+            nodes,
         );
         opt.zero_grad();
         seen
@@ -154,6 +166,11 @@ fn check(level: OptLevel, half: HalfType, act: Activation, device_path: bool, wh
         ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
     );
     assert_eq!(fused.2, plain.2, "{what}: parameter gradients");
+    // The point of the fusion: the pre-activation is no half edge of the graph where the
+    // layer computes in half (GELU under autocast runs after the layer, in f32).
+    let fuses = level != OptLevel::O0 && !(level == OptLevel::O1 && act == Activation::Gelu);
+    let want = if fuses { plain.4 - 1 } else { plain.4 };
+    assert_eq!(fused.4, want, "{what}: half graph nodes (unfused {})", plain.4);
     if act == Activation::Relu {
         relu_reference(&model, &x, &r, &fused.2, fused.3, level, half, what);
     }
@@ -309,6 +326,7 @@ fn check_chain(level: OptLevel, half: HalfType, act: Activation, device_path: bo
         };
         let y = model.forward(&input).unwrap();
         let loss = (y.to_dtype(DType::F32).unwrap() * &r).unwrap().sum_all().unwrap();
+        let nodes = half_nodes(&loss);
         let mut gx = None;
         let report = amp
             .scale_loss(&loss, &mut opt)
@@ -322,7 +340,7 @@ fn check_chain(level: OptLevel, half: HalfType, act: Activation, device_path: bo
         assert!(!report.found_inf, "{what}");
         let grads: BTreeMap<String, Vec<u64>> = opt.master_grads().iter().map(|(k, v)| (k.clone(), bits(v))).collect();
         opt.zero_grad();
-        (bits(&y), gx, grads)
+        (bits(&y), gx, grads, nodes)
     };
     let fused = once(true);
     let plain = once(false);
@@ -331,6 +349,12 @@ fn check_chain(level: OptLevel, half: HalfType, act: Activation, device_path: bo
     assert_eq!(fused.1.is_some(), x_grad, "{what}: input gradient present");
     assert_eq!(fused.2.len(), 6, "{what}");
     assert_eq!(fused.2, plain.2, "{what}: parameter gradients");
+    // Fused, the three layers' outputs are one half node, where the layers one by one (each
+    // with its activation inside) have three: unless nothing runs in half (O0) or GELU is
+    // under autocast (O1), where the chain runs layer by layer.
+    let fuses = level != OptLevel::O0 && !(level == OptLevel::O1 && act == Activation::Gelu);
+    let want = if fuses { plain.3 - 2 } else { plain.3 };
+    assert_eq!(fused.3, want, "{what}: half graph nodes (unfused {})", plain.3);
 }
 
 #[test]
