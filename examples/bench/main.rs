@@ -238,8 +238,8 @@ fn main() -> Result<()> {
             .into_iter()
             .find(|(n, ..)| *n == name)
             .context("BENCH_TRANSFORMER: MODEL is example, memory or mid")?;
-        let (ms, _) = transformer(l.parse()?, h.parse()?, c, batch, steps)?;
-        eprintln!("transformer {which}: {ms:.2} ms");
+        let (ms, peak_mb) = transformer(l.parse()?, h.parse()?, c, batch, steps)?;
+        eprintln!("transformer {which}: {ms:.2} ms, peak {peak_mb:.1} MB");
         return Ok(());
     }
     if std::env::var("BENCH_OPS").is_ok() {
