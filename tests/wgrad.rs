@@ -6,6 +6,8 @@
 //! path; with a tied weight, a checkpointed segment, a frozen parameter, `GradScaler`, an
 //! overflow only the stashed gradient shows, stale stashes, and plain candle use.
 
+mod common;
+
 use std::sync::Mutex;
 
 use candle_amp::kernels::{self, Isa};
@@ -15,8 +17,7 @@ use candle_amp::recompute::Recompute;
 use candle_amp::{self as amp, AmpConfig, GradScaler, HalfType, LossScaleSpec, OptLevel};
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{ModuleT, VarBuilder, VarMap};
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
+use common::{grid, t2, vals};
 
 /// `force_isa` is process-wide: the tests of this file run one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -30,25 +31,6 @@ const K: usize = 40;
 const N: usize = 24;
 const LEVELS: [OptLevel; 4] = [OptLevel::O0, OptLevel::O1, OptLevel::O2, OptLevel::O3];
 const HALVES: [HalfType; 2] = [HalfType::F16, HalfType::Bf16];
-
-/// Values exact in f16 and bf16: multiples of `step` in `[-lim, lim]`.
-fn grid(n: usize, step: f32, lim: i32, seed: u64) -> Vec<f32> {
-    let mut r = ChaCha8Rng::seed_from_u64(seed);
-    (0..n).map(|_| r.random_range(-lim..=lim) as f32 * step).collect()
-}
-
-fn t2(v: &[f32], rows: usize, cols: usize) -> Tensor {
-    Tensor::from_vec(v.to_vec(), (rows, cols), &Device::Cpu).unwrap()
-}
-
-fn vals(t: &Tensor) -> Vec<f64> {
-    t.flatten_all()
-        .unwrap()
-        .to_dtype(DType::F64)
-        .unwrap()
-        .to_vec1()
-        .unwrap()
-}
 
 /// max |a - b| / max |b|.
 fn rel_err(a: &[f64], b: &[f64]) -> f64 {

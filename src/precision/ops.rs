@@ -198,7 +198,6 @@ pub(crate) fn linear_chain(x: &Tensor, layers: &[(&Tensor, Option<&Tensor>, Opti
     if !matches!(xs[0].dtype(), DType::F16 | DType::BF16) {
         return Ok(None);
     }
-    let key = |p: &Tensor| stash.trains(p).map(|t| t.then(|| p.clone()));
     let mut cast = Vec::with_capacity(layers.len());
     for (w, b, act) in layers {
         let mut args = vec![*w];
@@ -206,13 +205,8 @@ pub(crate) fn linear_chain(x: &Tensor, layers: &[(&Tensor, Option<&Tensor>, Opti
             args.push(b);
         }
         let (ps, _) = prepare("linear", &args)?;
-        let Some(w_key) = key(w) else { return Ok(None) };
-        let b_key = match b {
-            Some(b) => match key(b) {
-                Some(k) => k,
-                None => return Ok(None),
-            },
-            None => None,
+        let Some((w_key, b_key)) = param_keys(&stash, w, *b) else {
+            return Ok(None);
         };
         cast.push((ps, w_key, b_key, *act));
     }
@@ -247,18 +241,26 @@ fn wgrad_linear(xs: &[Tensor], w: &Tensor, b: Option<&Tensor>, act: Option<Act>)
     let Some(stash) = autocast::run_stash() else {
         return Ok(None);
     };
-    // Each parameter's key: `Some(Some(p))` trains (its gradient is stashed), `Some(None)`
-    // frozen (none computed); `None`: not the run's, so the whole layer keeps the graph path.
-    let key = |p: &Tensor| stash.trains(p).map(|t| t.then(|| p.clone()));
-    let Some(w_key) = key(w) else { return Ok(None) };
-    let b_key = match b {
-        Some(b) => match key(b) {
-            Some(k) => k,
-            None => return Ok(None),
-        },
-        None => None,
+    let Some((w_key, b_key)) = param_keys(&stash, w, b) else {
+        return Ok(None);
     };
     kernels::wgrad::linear(&xs[0], &xs[1], xs.get(2), w_key.as_ref(), b_key.as_ref(), stash, act)
+}
+
+/// A layer's weight and bias keys for the stashing node.
+type Keys = (Option<Tensor>, Option<Tensor>);
+
+/// Each key `Some(p)` where the parameter trains (its gradient is stashed), `None` where it
+/// is frozen (none computed); `None` overall where a parameter is not the run's, so the layer
+/// keeps the graph path.
+fn param_keys(stash: &crate::precision::stash::GradStash, w: &Tensor, b: Option<&Tensor>) -> Option<Keys> {
+    let key = |p: &Tensor| stash.trains(p).map(|t| t.then(|| p.clone()));
+    let w_key = key(w)?;
+    let b_key = match b {
+        Some(b) => key(b)?,
+        None => None,
+    };
+    Some((w_key, b_key))
 }
 
 /// candle's CPU backend has no bf16 convolution (its conv2d calls an f32/f16-only gemm):

@@ -245,6 +245,27 @@ pub fn working_bits(store: &amp::ParamStore) -> std::collections::BTreeMap<Strin
         .collect()
 }
 
+/// Values exact in f16 and bf16: multiples of `step` in `[-lim, lim]`, seeded.
+pub fn grid(n: usize, step: f32, lim: i32, seed: u64) -> Vec<f32> {
+    let mut r = ChaCha8Rng::seed_from_u64(seed);
+    (0..n).map(|_| r.random_range(-lim..=lim) as f32 * step).collect()
+}
+
+/// `v` as a `rows x cols` f32 tensor on the CPU.
+pub fn t2(v: &[f32], rows: usize, cols: usize) -> Tensor {
+    Tensor::from_vec(v.to_vec(), (rows, cols), &Device::Cpu).unwrap()
+}
+
+/// A tensor's values in f64, flattened.
+pub fn vals(t: &Tensor) -> Vec<f64> {
+    t.flatten_all()
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
 pub fn flat(t: &Tensor) -> Vec<f32> {
     t.to_dtype(DType::F32)
         .unwrap()
