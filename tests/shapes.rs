@@ -1028,6 +1028,48 @@ fn layers_on_any_batch() {
                 |vb| candle_nn::linear(c, 3, vb),
             );
             check("nn::linear", s, &seq, seed, |x| a.forward(&x[0]), |x| b.forward(&x[0]))?;
+            // The fused forms: a layer with its activation, and a chain of layers.
+            let (a, b) = layer_pair(
+                s.input_dtype(),
+                |vb| Ok(ann::linear(c, 3, vb)?.with_activation(ann::Activation::Gelu)),
+                |vb| candle_nn::linear(c, 3, vb),
+            );
+            check(
+                "nn::Linear::with_activation",
+                s,
+                &seq,
+                seed,
+                |x| a.forward(&x[0]),
+                |x| b.forward(&x[0])?.gelu_erf(),
+            )?;
+            let (a, b) = layer_pair(
+                s.input_dtype(),
+                |vb| {
+                    Ok(ann::Mlp::new(vec![
+                        ann::linear(c, 4, vb.pp("up"))?.with_activation(ann::Activation::Gelu),
+                        ann::linear(4, 3, vb.pp("down"))?,
+                    ]))
+                },
+                |vb| {
+                    Ok((
+                        candle_nn::linear(c, 4, vb.pp("up"))?,
+                        candle_nn::linear(4, 3, vb.pp("down"))?,
+                    ))
+                },
+            );
+            check(
+                "nn::Mlp",
+                s,
+                &seq,
+                seed,
+                |x| a.forward(&x[0]),
+                // candle-nn's Linear cannot reshape an empty batch of rank 3; the fallback
+                // product (under the reference's `plain`) is candle's broadcast matmul.
+                |x| {
+                    let h = kernels::linear(&x[0], b.0.weight(), b.0.bias())?.gelu_erf()?;
+                    kernels::linear(&h, b.1.weight(), b.1.bias())
+                },
+            )?;
             // Embedding: n indices.
             let ids = Tensor::new((0..n as u32).map(|i| i % 5).collect::<Vec<_>>().as_slice(), &dev()).unwrap();
             let (a, b) = layer_pair(
