@@ -111,13 +111,11 @@ impl Module for Ffn {
 #[derive(Debug, Clone)]
 struct Block {
     ln1: ann::LayerNorm,
-    q: ann::Linear,
-    k: ann::Linear,
-    v: ann::Linear,
-    o: ann::Linear,
+    /// Causal self-attention, from the projections to the output projection one fused
+    /// module (`nn::SelfAttention`).
+    attn: ann::SelfAttention,
     ffn: Ffn,
     drop: ann::Dropout,
-    heads: usize,
     ffn_chunk: usize,
     recompute: Option<Recompute>,
 }
@@ -127,10 +125,7 @@ impl Block {
         let d = c.d_model;
         Ok(Self {
             ln1: ann::layer_norm(d, 1e-5, vb.pp("ln1"))?,
-            q: ann::linear(d, d, vb.pp("q"))?,
-            k: ann::linear(d, d, vb.pp("k"))?,
-            v: ann::linear(d, d, vb.pp("v"))?,
-            o: ann::linear(d, d, vb.pp("o"))?,
+            attn: ann::self_attention(d, c.heads, true, vb.clone())?,
             ffn: Ffn {
                 ln2: ann::layer_norm(d, 1e-5, vb.pp("ln2"))?,
                 mlp: ann::Mlp::new(vec![
@@ -139,26 +134,14 @@ impl Block {
                 ]),
             },
             drop: ann::Dropout::new(c.dropout, drop)?,
-            heads: c.heads,
             ffn_chunk: c.ffn_chunk,
             recompute,
         })
     }
 
-    fn split(&self, x: &Tensor) -> Result<Tensor> {
-        ann::split_heads(x, self.heads)
-    }
-
     fn run(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        let h = self.ln1.forward(x)?;
-        let (q, k, v) = (
-            self.split(&self.q.forward(&h)?)?,
-            self.split(&self.k.forward(&h)?)?,
-            self.split(&self.v.forward(&h)?)?,
-        );
-        let a = ann::scaled_dot_product_attention(&q, &k, &v, None, true, None)?;
-        let a = ann::merge_heads(&a)?;
-        let x = ops::add(x, &self.drop.forward_t(&self.o.forward(&a)?, train)?)?;
+        let a = self.attn.forward(&self.ln1.forward(x)?)?;
+        let x = ops::add(x, &self.drop.forward_t(&a, train)?)?;
         // Dropout stays outside the slices, so its mask is drawn as in the plain forward.
         let h = match (&self.recompute, self.ffn_chunk) {
             (_, 0) => self.ffn.forward(&x)?,

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Storage, Tensor, Var};
 
-use super::wgrad::{Act, GradSink, WgradLinear, applies};
+use super::wgrad::{Act, Dx, GradSink, WgradLinear, applies};
 
 /// One layer of a chain: the values to compute with (of the input's type), the parameters
 /// their gradients are for (`None`: not computed) and the activation after it.
@@ -59,13 +59,13 @@ impl Chain {
         for i in (1..=last).rev() {
             let out = if i == last { res } else { &self.outputs[i] };
             let gi = self.nodes[i].through_act(out, &g)?;
-            g = self.nodes[i].bwd_x(&self.inputs[i], &gi, false)?.ok_or_else(|| {
+            g = self.nodes[i].bwd_x(&self.inputs[i], &gi, Dx::Dense)?.ok_or_else(|| {
                 candle_core::Error::Msg("amp-linear-chain: an inner layer without input gradient".into())
             })?;
         }
         let out = if last == 0 { res } else { &self.outputs[0] };
         let g0 = self.nodes[0].through_act(out, &g)?;
-        self.nodes[0].bwd_x(&self.inputs[0], &g0, true)
+        self.nodes[0].bwd_x(&self.inputs[0], &g0, Dx::Graph)
     }
 }
 

@@ -229,6 +229,16 @@ pub(crate) fn rearrange(x: &Tensor, split: &[usize], perm: &[usize], merged: &[u
     }
 }
 
+/// [`rearrange`] on the CPU without a backward (inside a fused node).
+pub(super) fn rearranged(x: &Tensor, split: &[usize], perm: &[usize], merged: &[usize]) -> Result<Tensor> {
+    let r = Rearrange {
+        split: split.to_vec(),
+        perm: perm.to_vec(),
+        merged: merged.to_vec(),
+    };
+    super::dense(x)?.apply_op1_no_bwd(&r)
+}
+
 struct Rearrange {
     split: Vec<usize>,
     perm: Vec<usize>,

@@ -25,6 +25,7 @@
 
 #[cfg(target_arch = "x86_64")]
 mod amx;
+pub(crate) mod attention;
 #[cfg(target_arch = "x86_64")]
 mod bf16_gemm;
 pub(crate) mod capture;

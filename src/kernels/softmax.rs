@@ -136,12 +136,28 @@ impl CustomOp1 for ScaledSoftmax {
     /// `dx = scale * y * (dy - sum(dy * y))` in f32, from the output alone (masked entries
     /// have `y = 0`, so their gradient is 0), returned in the input's type.
     fn bwd(&self, arg: &Tensor, res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
-        let y = res.to_dtype(DType::F32)?;
-        let dy = grad_res.to_dtype(DType::F32)?;
-        let dot = (&dy * &y)?.sum_keepdim(D::Minus1)?;
-        let dx = (y * dy.broadcast_sub(&dot)?)?.affine(self.scale as f64, 0.0)?;
+        let dx = grad_f32(res, grad_res, self.scale)?;
         Ok(Some(super::graph_grad::for_candle(dx.to_dtype(arg.dtype())?)?))
     }
+}
+
+/// [`scaled_softmax`] on the CPU without a backward (inside a fused node): `x` of an
+/// f32/f16/bf16 type, the kernels on.
+pub(super) fn forward_no_bwd(x: &Tensor, scale: f64, causal: bool, out: DType) -> Result<Tensor> {
+    super::dense(x)?.apply_op1_no_bwd(&ScaledSoftmax {
+        scale: scale as f32,
+        causal,
+        out,
+    })
+}
+
+/// The softmax's input gradient in f32 from its output `res` and the output's gradient
+/// `grad_res`: `scale * y * (dy - sum(dy * y))`, the op's own backward.
+pub(super) fn grad_f32(res: &Tensor, grad_res: &Tensor, scale: f32) -> Result<Tensor> {
+    let y = res.to_dtype(DType::F32)?;
+    let dy = grad_res.to_dtype(DType::F32)?;
+    let dot = (&dy * &y)?.sum_keepdim(D::Minus1)?;
+    (y * dy.broadcast_sub(&dot)?)?.affine(scale as f64, 0.0)
 }
 
 /// `softmax(x * scale)` over the last dimension, keys after the query masked when `causal`

@@ -34,6 +34,17 @@ pub(crate) enum Act {
     Gelu,
 }
 
+/// The form of the input gradient [`WgradLinear::bwd_x`] returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Dx {
+    /// In `x`'s type, in the layout candle's graph takes.
+    Graph,
+    /// In `x`'s type, dense.
+    Dense,
+    /// The f32 accumulation, dense, not rounded.
+    Wide,
+}
+
 /// The node: the values it computes with and the parameters its gradients are for.
 pub(super) struct WgradLinear {
     /// The weight as computed with (`x`'s type; a half copy at O1), detached.
@@ -163,9 +174,9 @@ impl WgradLinear {
     }
 
     /// Gives the parameter gradients to the sink and returns `x`'s: for candle's graph
-    /// (`graph`, [`super::graph_grad::for_candle`]'s layout) or dense, for the next layer of a
-    /// chain.
-    pub(super) fn bwd_x(&self, x: &Tensor, g: &Tensor, graph: bool) -> Result<Option<Tensor>> {
+    /// ([`Dx::Graph`]), dense for the next layer of a chain ([`Dx::Dense`]), or the product's
+    /// f32 accumulation ([`Dx::Wide`]) for a fused node that sums several.
+    pub(super) fn bwd_x(&self, x: &Tensor, g: &Tensor, out: Dx) -> Result<Option<Tensor>> {
         let (n, k) = self.w.dims2()?;
         let m: usize = x.dims()[..x.rank().saturating_sub(1)].iter().product();
         let g = super::dense(g)?;
@@ -180,16 +191,14 @@ impl WgradLinear {
             self.sink.add(key, Tensor::from_vec(sums, n, g.device())?)?;
         }
         // dx = g . w (m x n . n x k), in x's type.
-        if self.x_grad {
-            let dx = bmm(&g2, &self.w, false, false)?.reshape(x.shape())?;
-            if graph {
-                Ok(Some(super::graph_grad::for_candle(dx)?))
-            } else {
-                Ok(Some(dx))
-            }
-        } else {
-            Ok(None)
+        if !self.x_grad {
+            return Ok(None);
         }
+        Ok(Some(match out {
+            Dx::Graph => super::graph_grad::for_candle(bmm(&g2, &self.w, false, false)?.reshape(x.shape())?)?,
+            Dx::Dense => bmm(&g2, &self.w, false, false)?.reshape(x.shape())?,
+            Dx::Wide => bmm_f32(&g2, &self.w, false, false)?.reshape(x.shape())?,
+        }))
     }
 }
 
@@ -203,7 +212,7 @@ impl CustomOp1 for WgradLinear {
     }
 
     fn bwd(&self, x: &Tensor, res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
-        self.bwd_x(x, &self.through_act(res, g)?, true)
+        self.bwd_x(x, &self.through_act(res, g)?, Dx::Graph)
     }
 }
 
@@ -219,7 +228,7 @@ impl CustomOp2 for WgradLinear {
     }
 
     fn bwd(&self, x: &Tensor, _anchor: &Tensor, res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        Ok((self.bwd_x(x, &self.through_act(res, g)?, true)?, None))
+        Ok((self.bwd_x(x, &self.through_act(res, g)?, Dx::Graph)?, None))
     }
 }
 

@@ -6,7 +6,7 @@ use candle_core::{Result, Tensor};
 use candle_nn::{Module, VarBuilder};
 
 use crate::kernels::wgrad::Act;
-use crate::precision::{observe, ops};
+use crate::precision::{fused, observe};
 
 /// An activation a [`Linear`] layer applies to its output ([`Linear::with_activation`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -107,7 +107,7 @@ impl Module for Linear {
                 Activation::Relu => Act::Relu,
                 Activation::Gelu => Act::Gelu,
             });
-            ops::linear_layer_act(x, &self.weight, self.bias.as_ref(), act)
+            fused::linear_layer_act(x, &self.weight, self.bias.as_ref(), act)
         })
     }
 }

@@ -5,7 +5,7 @@ use candle_nn::Module;
 
 use super::linear::{Activation, Linear};
 use crate::kernels::wgrad::Act;
-use crate::precision::ops;
+use crate::precision::fused;
 
 /// [`Linear`] layers applied in turn, each with its own activation
 /// ([`Linear::with_activation`]), as one fused module: Apex's `apex.mlp.MLP`, Transformer
@@ -62,7 +62,7 @@ impl Module for Mlp {
                 (l.weight(), l.bias(), act)
             })
             .collect();
-        if let Some(y) = ops::linear_chain(x, &spec)? {
+        if let Some(y) = fused::linear_chain(x, &spec)? {
             return Ok(y);
         }
         self.layers.iter().try_fold(x.clone(), |h, l| l.forward(&h))

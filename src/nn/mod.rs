@@ -35,6 +35,7 @@ mod dropout;
 mod linear;
 mod mlp;
 mod norm;
+mod self_attention;
 mod sync_batch_norm;
 
 pub use attention::{causal_mask, merge_heads, scaled_dot_product_attention, split_heads};
@@ -45,6 +46,7 @@ pub use dropout::Dropout;
 pub use linear::{Activation, Embedding, Linear, embedding, linear, linear_no_bias};
 pub use mlp::Mlp;
 pub use norm::{GroupNorm, LayerNorm, RmsNorm, group_norm, layer_norm, rms_norm};
+pub use self_attention::{SelfAttention, self_attention};
 
 pub use crate::precision::ops::{log_softmax, softmax};
 

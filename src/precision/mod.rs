@@ -14,6 +14,7 @@
 
 pub mod autocast;
 pub(crate) mod cast_lists;
+pub(crate) mod fused;
 pub(crate) mod model;
 pub(crate) mod observe;
 pub mod ops;

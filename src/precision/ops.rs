@@ -16,7 +16,6 @@ use candle_core::{D, DType, Device, Result, Tensor};
 use super::autocast::{self, CastPolicy, eligible};
 use super::observe::op as rec;
 use crate::kernels;
-use crate::kernels::wgrad::Act;
 
 fn widest(xs: &[&Tensor]) -> Option<DType> {
     let floats: Vec<DType> = xs.iter().map(|t| t.dtype()).filter(|d| eligible(*d)).collect();
@@ -29,7 +28,7 @@ fn widest(xs: &[&Tensor]) -> Option<DType> {
 
 /// Casts `xs` for op `op` under the current policy; returns the tensors and whether an
 /// enabled policy applied a Float policy (so outputs stay f32).
-fn prepare(op: &str, xs: &[&Tensor]) -> Result<(Vec<Tensor>, bool)> {
+pub(super) fn prepare(op: &str, xs: &[&Tensor]) -> Result<(Vec<Tensor>, bool)> {
     let Some((ctx, force_f32)) = autocast::active_forced() else {
         return Ok((xs.iter().map(|t| (*t).clone()).collect(), false));
     };
@@ -140,127 +139,6 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     }
     let (xs, _) = prepare("linear", &args)?;
     rec("linear", kernels::linear(&xs[0], &xs[1], xs.get(2)))
-}
-
-/// [`linear`] for a layer of the library (`nn::Linear`): where its parameters belong to the
-/// run whose context is open on this thread and a half copy is involved (a half weight, or
-/// an f32 weight cast to half at O1), the product is one node on `x` only and the weight and
-/// bias gradients go, in f32, to the run's stash instead of candle's graph
-/// ([`kernels::wgrad`](crate::kernels::wgrad)); a frozen parameter's gradient is not
-/// computed. Elsewhere (no run, parameters of a plain `VarMap`, all in f32) it is [`linear`].
-///
-/// Followed by `act` when given. Where the stashing node applies, the activation runs
-/// inside it (the same values, bit for bit, as the activation applied to the layer's output)
-/// and the pre-activation is no graph edge; GELU only outside autocast, whose policy runs it
-/// in f32. Elsewhere the layer and then [`relu`] or [`gelu`]. The numerics doctor records
-/// the fused node as the `linear` op (its output is the activation's).
-pub(crate) fn linear_layer_act(x: &Tensor, w: &Tensor, b: Option<&Tensor>, act: Option<Act>) -> Result<Tensor> {
-    let mut args = vec![x, w];
-    if let Some(b) = b {
-        args.push(b);
-    }
-    let (xs, _) = prepare("linear", &args)?;
-    let fused = match act {
-        Some(Act::Gelu) if autocast::is_enabled() => None,
-        a => a,
-    };
-    if let Some(y) = wgrad_linear(&xs, w, b, fused)? {
-        let y = rec("linear", Ok(y))?;
-        return match (act, fused) {
-            (Some(a), None) => apply_act(&y, a),
-            _ => Ok(y),
-        };
-    }
-    let y = rec("linear", kernels::linear(&xs[0], &xs[1], xs.get(2)))?;
-    match act {
-        Some(a) => apply_act(&y, a),
-        None => Ok(y),
-    }
-}
-
-/// Linear layers (weight, bias, activation after it) applied in turn to `x` as one node of
-/// the run ([`kernels::chain`](crate::kernels::chain)), or `None` where that does not apply
-/// and the caller runs the layers one by one: outside a run, when an observer records the
-/// step or a layer is kept in f32 (both work per named layer), with GELU under autocast
-/// (which runs it in f32), when nothing computes in half, and wherever a single layer's
-/// stashing node would not apply.
-pub(crate) fn linear_chain(x: &Tensor, layers: &[(&Tensor, Option<&Tensor>, Option<Act>)]) -> Result<Option<Tensor>> {
-    if autocast::hooked_context().is_some() {
-        return Ok(None);
-    }
-    let Some(stash) = autocast::run_stash() else {
-        return Ok(None);
-    };
-    if autocast::is_enabled() && layers.iter().any(|l| l.2 == Some(Act::Gelu)) {
-        return Ok(None);
-    }
-    let (xs, _) = prepare("linear", &[x])?;
-    if !matches!(xs[0].dtype(), DType::F16 | DType::BF16) {
-        return Ok(None);
-    }
-    let mut cast = Vec::with_capacity(layers.len());
-    for (w, b, act) in layers {
-        let mut args = vec![*w];
-        if let Some(b) = b {
-            args.push(b);
-        }
-        let (ps, _) = prepare("linear", &args)?;
-        let Some((w_key, b_key)) = param_keys(&stash, w, *b) else {
-            return Ok(None);
-        };
-        cast.push((ps, w_key, b_key, *act));
-    }
-    let chain: Vec<kernels::chain::ChainLayer<'_>> = cast
-        .iter()
-        .map(|(ps, wk, bk, act)| kernels::chain::ChainLayer {
-            w: &ps[0],
-            b: ps.get(1),
-            w_key: wk.as_ref(),
-            b_key: bk.as_ref(),
-            act: *act,
-        })
-        .collect();
-    kernels::chain::chain(&xs[0], &chain, stash)
-}
-
-fn apply_act(y: &Tensor, act: Act) -> Result<Tensor> {
-    match act {
-        Act::Relu => relu(y),
-        Act::Gelu => gelu(y),
-    }
-}
-
-/// The stashing node for [`linear_layer_act`], or `None` where it does not apply. `xs`: the
-/// arguments as cast for the op; `w`, `b`: the layer's parameters.
-fn wgrad_linear(xs: &[Tensor], w: &Tensor, b: Option<&Tensor>, act: Option<Act>) -> Result<Option<Tensor>> {
-    let half = |t: &Tensor| matches!(t.dtype(), DType::F16 | DType::BF16);
-    // All in f32 (O0, a layer kept in f32 at O1): candle's accumulation is f32 already.
-    if !(half(&xs[1]) || half(w)) {
-        return Ok(None);
-    }
-    let Some(stash) = autocast::run_stash() else {
-        return Ok(None);
-    };
-    let Some((w_key, b_key)) = param_keys(&stash, w, b) else {
-        return Ok(None);
-    };
-    kernels::wgrad::linear(&xs[0], &xs[1], xs.get(2), w_key.as_ref(), b_key.as_ref(), stash, act)
-}
-
-/// A layer's weight and bias keys for the stashing node.
-type Keys = (Option<Tensor>, Option<Tensor>);
-
-/// Each key `Some(p)` where the parameter trains (its gradient is stashed), `None` where it
-/// is frozen (none computed); `None` overall where a parameter is not the run's, so the layer
-/// keeps the graph path.
-fn param_keys(stash: &crate::precision::stash::GradStash, w: &Tensor, b: Option<&Tensor>) -> Option<Keys> {
-    let key = |p: &Tensor| stash.trains(p).map(|t| t.then(|| p.clone()));
-    let w_key = key(w)?;
-    let b_key = match b {
-        Some(b) => key(b)?,
-        None => None,
-    };
-    Some((w_key, b_key))
 }
 
 /// candle's CPU backend has no bf16 convolution (its conv2d calls an f32/f16-only gemm):

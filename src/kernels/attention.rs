@@ -1,0 +1,265 @@
+//! Multi-head self-attention from the query/key/value products to the output projection as
+//! one graph node: Transformer Engine's `MultiheadAttention`, Apex's fast multi-head
+//! attention.
+//!
+//! Unfused, a block's attention leaves about a dozen half tensors in candle's graph (the
+//! three projections, their head splits, the transposed keys, the scores, the
+//! probabilities, the heads' outputs and their merge), and candle's backward adds each
+//! one's gradient into a `zeros_like` in half, slowly on the CPU; the attention input's
+//! three gradients are also summed there, rounded to half after each add. Here the same ops
+//! run on detached tensors inside one node. The forward keeps what the unfused graph keeps
+//! for the backward (the input, the split heads, the transposed keys, the probabilities and
+//! the heads' merged outputs), the backward runs the unfused ops' backwards in reverse,
+//! sends every parameter gradient to the sink in f32, and returns only the input's gradient
+//! to candle: the three projections' f32 products summed in f32 and rounded once. Every
+//! other value is computed exactly as the unfused ops compute it.
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Storage, Tensor, Var};
+
+use super::chain::ChainLayer;
+use super::elementwise::rearranged;
+use super::matmul::bmm;
+use super::wgrad::{Dx, GradSink, WgradLinear, applies};
+
+/// The node: the four projections, the shapes, and what the forward kept.
+struct Attention {
+    /// Query, key, value and output projections.
+    proj: [WgradLinear; 4],
+    /// Batch, positions, heads, query/key width and value width per head.
+    dims: Dims,
+    scale: f32,
+    /// The input in the products' type (a half copy of an f32 input at O1).
+    x: Tensor,
+    /// `(b, h, t, dk)` queries, `(b, h, dk, t)` transposed keys, `(b, h, t, dv)` values.
+    q: Tensor,
+    kt: Tensor,
+    v: Tensor,
+    /// The softmax's output (f32 under autocast, as its policy says; else the values' type).
+    probs: Tensor,
+    /// The heads' outputs merged, `(b, t, h * dv)`: the output projection's input.
+    merged: Tensor,
+    /// The output until the forward hands it to candle.
+    result: Mutex<Option<Tensor>>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    b: usize,
+    t: usize,
+    h: usize,
+    dk: usize,
+    dv: usize,
+}
+
+impl Dims {
+    /// `(b, t, h * d)` to `(b, h, t, d)`.
+    fn split(&self, x: &Tensor, d: usize) -> Result<Tensor> {
+        let Dims { b, t, h, .. } = *self;
+        rearranged(x, &[b, t, h, d], &[0, 2, 1, 3], &[b, h, t, d])
+    }
+
+    /// `(b, h, t, d)` to `(b, t, h * d)`.
+    fn merge(&self, x: &Tensor, d: usize) -> Result<Tensor> {
+        let Dims { b, t, h, .. } = *self;
+        rearranged(x, &[b, h, t, d], &[0, 2, 1, 3], &[b, t, h * d])
+    }
+
+    /// `(b, h, r, c)` to `(b, h, c, r)`.
+    fn transpose(&self, x: &Tensor, r: usize, c: usize) -> Result<Tensor> {
+        let Dims { b, h, .. } = *self;
+        rearranged(x, &[b, h, r, c], &[0, 1, 3, 2], &[b, h, c, r])
+    }
+}
+
+impl Attention {
+    fn fwd(&self) -> Result<(CpuStorage, Shape)> {
+        let out = self.result.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let out = out.ok_or_else(|| candle_core::Error::Msg("amp-self-attention: the forward ran twice".into()))?;
+        let (s, l) = out.storage_and_layout();
+        let Storage::Cpu(c) = &*s else {
+            candle_core::bail!("amp-self-attention: the result is not on the CPU")
+        };
+        match l.contiguous_offsets() {
+            Some((0, e)) if e == l.shape().elem_count() && e == storage_len(c) => Ok((c.clone(), l.shape().clone())),
+            _ => candle_core::bail!("amp-self-attention: the result is not a fresh buffer"),
+        }
+    }
+
+    /// The input's gradient (in `x_dtype`, for candle's graph; `None` when the input takes
+    /// none) after the parameters' gradients went to the sink.
+    fn bwd(&self, x_dtype: DType, g: &Tensor) -> Result<Option<Tensor>> {
+        let d = self.dims;
+        let [pq, pk, pv, po] = &self.proj;
+        let missing = || candle_core::Error::Msg("amp-self-attention: no input gradient from a projection".into());
+        // y = merged . wo^T + bo
+        let g_merged = po.bwd_x(&self.merged, g, Dx::Dense)?.ok_or_else(missing)?;
+        let g_a = d.split(&g_merged, d.dv)?;
+        // a = p . v (p in the values' type, as the product runs)
+        let p = super::cast(&self.probs, self.v.dtype())?;
+        let g_p = bmm(&g_a, &self.v, false, true)?;
+        let g_v = bmm(&p, &g_a, true, false)?;
+        drop(p);
+        // p = softmax(scores * scale), its gradient in the scores' type
+        let g_s = super::cast(
+            &super::softmax::grad_f32(&self.probs, &g_p, self.scale)?,
+            self.q.dtype(),
+        )?;
+        // scores = q . kt
+        let g_q = bmm(&g_s, &self.kt, false, true)?;
+        let g_kt = bmm(&self.q, &g_s, true, false)?;
+        let g_k = d.transpose(&g_kt, d.dk, d.t)?;
+        let (g_q, g_k, g_v) = (d.merge(&g_q, d.dk)?, d.merge(&g_k, d.dk)?, d.merge(&g_v, d.dv)?);
+        // x's three gradients summed in f32, rounded once.
+        let dq = pq.bwd_x(&self.x, &g_q, Dx::Wide)?;
+        let dk = pk.bwd_x(&self.x, &g_k, Dx::Wide)?;
+        let dv = pv.bwd_x(&self.x, &g_v, Dx::Wide)?;
+        match (dq, dk, dv) {
+            (Some(a), Some(b), Some(c)) => {
+                let sum = ((a + b)? + c)?;
+                Ok(Some(super::graph_grad::for_candle(super::cast(&sum, x_dtype)?)?))
+            }
+            _ => Ok(None),
+        }
+    }
+}
+
+fn storage_len(c: &CpuStorage) -> usize {
+    match c {
+        CpuStorage::F32(v) => v.len(),
+        CpuStorage::F16(v) => v.len(),
+        CpuStorage::BF16(v) => v.len(),
+        _ => usize::MAX,
+    }
+}
+
+impl CustomOp1 for Attention {
+    fn name(&self) -> &'static str {
+        "amp-self-attention"
+    }
+
+    fn cpu_fwd(&self, _s: &CpuStorage, _l: &Layout) -> Result<(CpuStorage, Shape)> {
+        self.fwd()
+    }
+
+    fn bwd(&self, x: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        self.bwd(x.dtype(), g)
+    }
+}
+
+/// The same node over `(x, anchor)` for an input outside any graph (see `wgrad::linear`).
+impl CustomOp2 for Attention {
+    fn name(&self) -> &'static str {
+        "amp-self-attention"
+    }
+
+    fn cpu_fwd(&self, _s1: &CpuStorage, _l1: &Layout, _s2: &CpuStorage, _l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        self.fwd()
+    }
+
+    fn bwd(&self, x: &Tensor, _anchor: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((self.bwd(x.dtype(), g)?, None))
+    }
+}
+
+/// How [`self_attention`] runs: heads, the causal mask, the softmax's scale and output type.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AttentionSpec {
+    pub heads: usize,
+    pub causal: bool,
+    /// `None`: `1/sqrt(dk)`.
+    pub scale: Option<f64>,
+    /// The probabilities in f32 (autocast's softmax policy), cast to the values' type for
+    /// the product; else written in the values' type.
+    pub probs_f32: bool,
+}
+
+/// Self-attention over `x` `(b, t, d)` as one node: `o(attention(q(x), k(x), v(x)))` with
+/// the projections `layers` = `[q, k, v, o]` (no activations), the products in the
+/// projections' type (half); `x` may be f32 (O1: cast inside, its gradient returned in
+/// f32). `None` where the node does not apply (another device or type, the kernels off,
+/// shapes that do not fit, an empty input): the caller runs the unfused ops.
+pub(crate) fn self_attention(
+    x: &Tensor,
+    layers: [&ChainLayer<'_>; 4],
+    spec: AttentionSpec,
+    sink: Arc<dyn GradSink>,
+) -> Result<Option<Tensor>> {
+    let dt = layers[0].w.dtype();
+    if !matches!(dt, DType::F16 | DType::BF16) || !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+        return Ok(None);
+    }
+    if x.rank() != 3 || x.elem_count() == 0 || !x.device().is_cpu() || spec.heads == 0 {
+        return Ok(None);
+    }
+    let (b, t, d_in) = x.dims3()?;
+    let [lq, lk, lv, lo] = layers;
+    if layers.iter().any(|l| l.act.is_some() || l.w.rank() != 2) {
+        return Ok(None);
+    }
+    let (dq, dk_all, dv_all) = (lq.w.dim(0)?, lk.w.dim(0)?, lv.w.dim(0)?);
+    let h = spec.heads;
+    let fits = [lq, lk, lv].iter().all(|l| l.w.dim(1).ok() == Some(d_in))
+        && dq == dk_all
+        && dq % h == 0
+        && dv_all % h == 0
+        && dq > 0
+        && dv_all > 0
+        && lo.w.dim(1)? == dv_all
+        && lo.w.dim(0)? > 0;
+    if !fits {
+        return Ok(None);
+    }
+    let xc = super::dense(&super::cast(&x.detach(), dt)?)?;
+    if layers.iter().any(|l| !applies(&xc, l.w, l.b)) {
+        return Ok(None);
+    }
+    let x_grad = x.track_op();
+    let node = |l: &ChainLayer<'_>, grad: bool| WgradLinear::new(l.w, l.b, l.w_key, l.b_key, sink.clone(), grad, None);
+    let proj = [node(lq, x_grad)?, node(lk, x_grad)?, node(lv, x_grad)?, node(lo, true)?];
+    let dims = Dims {
+        b,
+        t,
+        h,
+        dk: dq / h,
+        dv: dv_all / h,
+    };
+    let scale = spec.scale.unwrap_or(1.0 / (dims.dk as f64).sqrt());
+    // The forward, op by op as the unfused attention runs them (`nn::scaled_dot_product_attention`).
+    let q = dims.split(&xc.apply_op1_no_bwd(&proj[0])?, dims.dk)?;
+    let k = dims.split(&xc.apply_op1_no_bwd(&proj[1])?, dims.dk)?;
+    let v = dims.split(&xc.apply_op1_no_bwd(&proj[2])?, dims.dv)?;
+    let kt = dims.transpose(&k, t, dims.dk)?;
+    drop(k);
+    let scores = bmm(&q, &kt, false, false)?;
+    let out = if spec.probs_f32 { DType::F32 } else { dt };
+    let probs = super::softmax::forward_no_bwd(&scores, scale, spec.causal, out)?;
+    drop(scores);
+    let a = bmm(&super::cast(&probs, dt)?, &v, false, false)?;
+    let merged = dims.merge(&a, dims.dv)?;
+    drop(a);
+    let y = merged.apply_op1_no_bwd(&proj[3])?;
+    let trains = proj.iter().any(|p| p.has_keys());
+    let node = Attention {
+        proj,
+        dims,
+        scale: scale as f32,
+        x: xc,
+        q,
+        kt,
+        v,
+        probs,
+        merged,
+        result: Mutex::new(Some(y)),
+    };
+    let x = super::dense(x)?;
+    if x_grad {
+        return Ok(Some(x.apply_op1(node)?));
+    }
+    if !trains {
+        return Ok(Some(x.apply_op1_no_bwd(&node)?));
+    }
+    let anchor = Var::zeros((), DType::F32, x.device())?;
+    Ok(Some(x.apply_op2(anchor.as_tensor(), node)?))
+}

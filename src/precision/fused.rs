@@ -1,0 +1,192 @@
+//! The library's fused layers as ops of a run (`nn::Linear`, `nn::Mlp`,
+//! `nn::SelfAttention`): where their parameters belong to the run whose context is open on
+//! this thread and the products run in half, each is one node whose parameter gradients go
+//! to the run's stash in f32 (`kernels::wgrad`, `kernels::chain`, `kernels::attention`);
+//! elsewhere the plain ops of [`super::ops`].
+
+use candle_core::{DType, Result, Tensor};
+
+use super::autocast;
+use super::observe::op as rec;
+use super::ops::{gelu, prepare, relu};
+use crate::kernels;
+use crate::kernels::wgrad::Act;
+
+/// [`super::ops::linear`] for a layer of the library (`nn::Linear`): where its parameters belong to the
+/// run whose context is open on this thread and a half copy is involved (a half weight, or
+/// an f32 weight cast to half at O1), the product is one node on `x` only and the weight and
+/// bias gradients go, in f32, to the run's stash instead of candle's graph
+/// ([`kernels::wgrad`](crate::kernels::wgrad)); a frozen parameter's gradient is not
+/// computed. Elsewhere (no run, parameters of a plain `VarMap`, all in f32) it is [`super::ops::linear`].
+///
+/// Followed by `act` when given. Where the stashing node applies, the activation runs
+/// inside it (the same values, bit for bit, as the activation applied to the layer's output)
+/// and the pre-activation is no graph edge; GELU only outside autocast, whose policy runs it
+/// in f32. Elsewhere the layer and then [`super::ops::relu`] or [`super::ops::gelu`]. The numerics doctor records
+/// the fused node as the `linear` op (its output is the activation's).
+pub(crate) fn linear_layer_act(x: &Tensor, w: &Tensor, b: Option<&Tensor>, act: Option<Act>) -> Result<Tensor> {
+    let mut args = vec![x, w];
+    if let Some(b) = b {
+        args.push(b);
+    }
+    let (xs, _) = prepare("linear", &args)?;
+    let fused = match act {
+        Some(Act::Gelu) if autocast::is_enabled() => None,
+        a => a,
+    };
+    if let Some(y) = wgrad_linear(&xs, w, b, fused)? {
+        let y = rec("linear", Ok(y))?;
+        return match (act, fused) {
+            (Some(a), None) => apply_act(&y, a),
+            _ => Ok(y),
+        };
+    }
+    let y = rec("linear", kernels::linear(&xs[0], &xs[1], xs.get(2)))?;
+    match act {
+        Some(a) => apply_act(&y, a),
+        None => Ok(y),
+    }
+}
+
+/// Linear layers (weight, bias, activation after it) applied in turn to `x` as one node of
+/// the run ([`kernels::chain`](crate::kernels::chain)), or `None` where that does not apply
+/// and the caller runs the layers one by one: outside a run, when an observer records the
+/// step or a layer is kept in f32 (both work per named layer), with GELU under autocast
+/// (which runs it in f32), when nothing computes in half, and wherever a single layer's
+/// stashing node would not apply.
+pub(crate) fn linear_chain(x: &Tensor, layers: &[(&Tensor, Option<&Tensor>, Option<Act>)]) -> Result<Option<Tensor>> {
+    if autocast::hooked_context().is_some() {
+        return Ok(None);
+    }
+    let Some(stash) = autocast::run_stash() else {
+        return Ok(None);
+    };
+    if autocast::is_enabled() && layers.iter().any(|l| l.2 == Some(Act::Gelu)) {
+        return Ok(None);
+    }
+    let (xs, _) = prepare("linear", &[x])?;
+    if !matches!(xs[0].dtype(), DType::F16 | DType::BF16) {
+        return Ok(None);
+    }
+    let mut cast = Vec::with_capacity(layers.len());
+    for (w, b, act) in layers {
+        let mut args = vec![*w];
+        if let Some(b) = b {
+            args.push(b);
+        }
+        let (ps, _) = prepare("linear", &args)?;
+        let Some((w_key, b_key)) = param_keys(&stash, w, *b) else {
+            return Ok(None);
+        };
+        cast.push((ps, w_key, b_key, *act));
+    }
+    let chain: Vec<kernels::chain::ChainLayer<'_>> = cast
+        .iter()
+        .map(|(ps, wk, bk, act)| kernels::chain::ChainLayer {
+            w: &ps[0],
+            b: ps.get(1),
+            w_key: wk.as_ref(),
+            b_key: bk.as_ref(),
+            act: *act,
+        })
+        .collect();
+    kernels::chain::chain(&xs[0], &chain, stash)
+}
+
+fn apply_act(y: &Tensor, act: Act) -> Result<Tensor> {
+    match act {
+        Act::Relu => relu(y),
+        Act::Gelu => gelu(y),
+    }
+}
+
+/// The stashing node for [`linear_layer_act`], or `None` where it does not apply. `xs`: the
+/// arguments as cast for the op; `w`, `b`: the layer's parameters.
+fn wgrad_linear(xs: &[Tensor], w: &Tensor, b: Option<&Tensor>, act: Option<Act>) -> Result<Option<Tensor>> {
+    let half = |t: &Tensor| matches!(t.dtype(), DType::F16 | DType::BF16);
+    // All in f32 (O0, a layer kept in f32 at O1): candle's accumulation is f32 already.
+    if !(half(&xs[1]) || half(w)) {
+        return Ok(None);
+    }
+    let Some(stash) = autocast::run_stash() else {
+        return Ok(None);
+    };
+    let Some((w_key, b_key)) = param_keys(&stash, w, b) else {
+        return Ok(None);
+    };
+    kernels::wgrad::linear(&xs[0], &xs[1], xs.get(2), w_key.as_ref(), b_key.as_ref(), stash, act)
+}
+
+/// A layer's weight and bias keys for the stashing node.
+type Keys = (Option<Tensor>, Option<Tensor>);
+
+/// Each key `Some(p)` where the parameter trains (its gradient is stashed), `None` where it
+/// is frozen (none computed); `None` overall where a parameter is not the run's, so the layer
+/// keeps the graph path.
+fn param_keys(stash: &crate::precision::stash::GradStash, w: &Tensor, b: Option<&Tensor>) -> Option<Keys> {
+    let key = |p: &Tensor| stash.trains(p).map(|t| t.then(|| p.clone()));
+    let w_key = key(w)?;
+    let b_key = match b {
+        Some(b) => key(b)?,
+        None => None,
+    };
+    Some((w_key, b_key))
+}
+
+/// Self-attention over `x` `(b, t, d)` with the projections `[q, k, v, o]` (weight, bias) as
+/// one node of the run ([`kernels::attention`](crate::kernels::attention)), or `None` where
+/// that does not apply and the caller runs the unfused ops: outside a run, when an observer
+/// records the step or a layer is kept in f32 (both work per named layer), when the
+/// products do not run in half, and wherever the node's shapes do not fit. Under autocast
+/// the probabilities are computed in f32 and cast for the product, as softmax's policy and
+/// the unfused [`crate::nn::scaled_dot_product_attention`] do.
+pub(crate) fn self_attention(
+    x: &Tensor,
+    proj: [(&Tensor, Option<&Tensor>); 4],
+    heads: usize,
+    causal: bool,
+) -> Result<Option<Tensor>> {
+    if autocast::hooked_context().is_some() {
+        return Ok(None);
+    }
+    let Some(stash) = autocast::run_stash() else {
+        return Ok(None);
+    };
+    // The type the projections compute in: the input's as `linear` casts it.
+    let (xs, _) = prepare("linear", &[x])?;
+    if !matches!(xs[0].dtype(), DType::F16 | DType::BF16) {
+        return Ok(None);
+    }
+    let mut cast = Vec::with_capacity(4);
+    for (w, b) in proj {
+        let mut args = vec![w];
+        if let Some(b) = b {
+            args.push(b);
+        }
+        let (ps, _) = prepare("linear", &args)?;
+        let Some((w_key, b_key)) = param_keys(&stash, w, b) else {
+            return Ok(None);
+        };
+        cast.push((ps, w_key, b_key));
+    }
+    let layers: Vec<kernels::chain::ChainLayer<'_>> = cast
+        .iter()
+        .map(|(ps, wk, bk)| kernels::chain::ChainLayer {
+            w: &ps[0],
+            b: ps.get(1),
+            w_key: wk.as_ref(),
+            b_key: bk.as_ref(),
+            act: None,
+        })
+        .collect();
+    let spec = kernels::attention::AttentionSpec {
+        heads,
+        causal,
+        scale: None,
+        probs_f32: autocast::is_enabled(),
+    };
+    // At O1 the node takes the f32 input itself and casts it once inside, so neither the
+    // input's half copy nor its three gradients are half tensors of the graph.
+    let input = if xs[0].dtype() == x.dtype() { &xs[0] } else { x };
+    kernels::attention::self_attention(input, [&layers[0], &layers[1], &layers[2], &layers[3]], spec, stash)
+}
