@@ -16,7 +16,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Storage, Tensor, Var};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, Var};
 
 use super::chain::ChainLayer;
 use super::elementwise::rearranged;
@@ -75,16 +75,7 @@ impl Dims {
 
 impl Attention {
     fn fwd(&self) -> Result<(CpuStorage, Shape)> {
-        let out = self.result.lock().unwrap_or_else(|e| e.into_inner()).take();
-        let out = out.ok_or_else(|| candle_core::Error::Msg("amp-self-attention: the forward ran twice".into()))?;
-        let (s, l) = out.storage_and_layout();
-        let Storage::Cpu(c) = &*s else {
-            candle_core::bail!("amp-self-attention: the result is not on the CPU")
-        };
-        match l.contiguous_offsets() {
-            Some((0, e)) if e == l.shape().elem_count() && e == storage_len(c) => Ok((c.clone(), l.shape().clone())),
-            _ => candle_core::bail!("amp-self-attention: the result is not a fresh buffer"),
-        }
+        super::chain::hand_over(&self.result, "amp-self-attention")
     }
 
     /// The input's gradient (in `x_dtype`, for candle's graph; `None` when the input takes
@@ -122,15 +113,6 @@ impl Attention {
             }
             _ => Ok(None),
         }
-    }
-}
-
-fn storage_len(c: &CpuStorage) -> usize {
-    match c {
-        CpuStorage::F32(v) => v.len(),
-        CpuStorage::F16(v) => v.len(),
-        CpuStorage::BF16(v) => v.len(),
-        _ => usize::MAX,
     }
 }
 

@@ -39,17 +39,7 @@ struct Chain {
 
 impl Chain {
     fn fwd(&self) -> Result<(CpuStorage, Shape)> {
-        let out = self.result.lock().unwrap_or_else(|e| e.into_inner()).take();
-        let out = out.ok_or_else(|| candle_core::Error::Msg("amp-linear-chain: the forward ran twice".into()))?;
-        let (s, l) = out.storage_and_layout();
-        let Storage::Cpu(c) = &*s else {
-            candle_core::bail!("amp-linear-chain: the result is not on the CPU")
-        };
-        match l.contiguous_offsets() {
-            // A fresh product: its own storage from the start, so the clone is the result.
-            Some((0, e)) if e == c_len(c) => Ok((c.clone(), l.shape().clone())),
-            _ => candle_core::bail!("amp-linear-chain: the result is not a fresh buffer"),
-        }
+        hand_over(&self.result, "amp-linear-chain")
     }
 
     /// The input's gradient (for candle's graph) after every layer's backward.
@@ -69,12 +59,25 @@ impl Chain {
     }
 }
 
-fn c_len(c: &CpuStorage) -> usize {
-    match c {
+/// A fused node's result, computed before the node was applied, as its forward's output:
+/// taken once from `result` (the node's forward runs once), and a fresh buffer of its own, so
+/// the storage's clone is the result.
+pub(super) fn hand_over(result: &Mutex<Option<Tensor>>, op: &str) -> Result<(CpuStorage, Shape)> {
+    let out = result.lock().unwrap_or_else(|e| e.into_inner()).take();
+    let out = out.ok_or_else(|| candle_core::Error::Msg(format!("{op}: the forward ran twice")))?;
+    let (s, l) = out.storage_and_layout();
+    let Storage::Cpu(c) = &*s else {
+        candle_core::bail!("{op}: the result is not on the CPU")
+    };
+    let len = match c {
         CpuStorage::F32(v) => v.len(),
         CpuStorage::F16(v) => v.len(),
         CpuStorage::BF16(v) => v.len(),
         _ => usize::MAX,
+    };
+    match l.contiguous_offsets() {
+        Some((0, e)) if e == len => Ok((c.clone(), l.shape().clone())),
+        _ => candle_core::bail!("{op}: the result is not a fresh buffer"),
     }
 }
 
