@@ -320,6 +320,30 @@ fn o1_gradients_equal_the_f32_reference_within_half_tolerance() {
     )
     .unwrap();
     let q = ann::linear(4, 4, vb.pp("q")).unwrap();
+    // Seeded parameters: candle's CPU generator, which drew the initial values, cannot be
+    // seeded, and about one draw in tens made a near-cancelling gradient whose half rounding
+    // exceeded the tolerance (a CI run failed on it). Twenty seeds of this init all pass.
+    {
+        let d = vm.data().lock().unwrap();
+        let mut names: Vec<&String> = d.keys().collect();
+        names.sort();
+        for (i, k) in names.into_iter().enumerate() {
+            let v = &d[k];
+            let r = rand(v.dims(), 100 + i as u64, DType::F32);
+            // A norm's scale near 1, the rest as candle's uniform init: +-1/sqrt(fan in).
+            let init = if k.starts_with("ln.") {
+                r.affine(0.1, if k.ends_with("weight") { 1.0 } else { 0.0 })
+            } else {
+                let fan_in = if v.rank() >= 2 {
+                    v.elem_count() / v.dims()[0]
+                } else {
+                    v.elem_count()
+                };
+                r.affine(1.0 / (fan_in.max(1) as f64).sqrt(), 0.0)
+            };
+            v.set(&init.unwrap()).unwrap();
+        }
+    }
     let x = rand(&[2, 4, 8], 8, DType::F32);
     let y = Tensor::new(&[[1u32, 0, 3, 2], [2, 3, 1, 0]], &common::device()).unwrap();
     let run = || {
