@@ -19,7 +19,7 @@ use candle_amp::nn::{Linear, SelfAttention, linear, merge_heads, scaled_dot_prod
 use candle_amp::optim::{Sgd, SgdConfig};
 use candle_amp::{self as amp, AmpConfig, HalfType, OptLevel};
 use candle_core::{D, DType, Device, Module, Tensor, Var};
-use common::{grid, vals};
+use common::{f64_bits as bits, grid, half_nodes, vals};
 
 /// `force_isa` is process-wide: the tests of this file run one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -28,18 +28,6 @@ const B: usize = 3;
 const T: usize = 6;
 const DM: usize = 16;
 const HEADS: usize = 2;
-
-fn bits(t: &Tensor) -> Vec<u64> {
-    t.flatten_all()
-        .unwrap()
-        .to_dtype(DType::F64)
-        .unwrap()
-        .to_vec1::<f64>()
-        .unwrap()
-        .into_iter()
-        .map(f64::to_bits)
-        .collect()
-}
 
 /// The fused module, and the same projections run unfused as a user would write them.
 struct Attn {
@@ -64,13 +52,6 @@ impl Module for Attn {
             self.unfused(x)
         }
     }
-}
-
-fn half_nodes(loss: &Tensor) -> usize {
-    loss.sorted_nodes()
-        .iter()
-        .filter(|t| matches!(t.dtype(), DType::F16 | DType::BF16))
-        .count()
 }
 
 /// What one forward and backward leaves: output, input gradient (of the scaled loss), the

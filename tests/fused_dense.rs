@@ -19,7 +19,7 @@ use candle_amp::nn::{Activation, Linear, Mlp, linear};
 use candle_amp::optim::{Sgd, SgdConfig};
 use candle_amp::{self as amp, AmpConfig, HalfType, OptLevel, ops};
 use candle_core::{DType, Device, Module, Tensor, Var};
-use common::{grid, t2, vals};
+use common::{f64_bits as bits, grid, half_nodes, t2, vals};
 
 /// `force_isa` is process-wide: the tests of this file run one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -28,18 +28,6 @@ const M: usize = 24;
 const K: usize = 40;
 const H: usize = 48;
 const N: usize = 16;
-
-fn bits(t: &Tensor) -> Vec<u64> {
-    t.flatten_all()
-        .unwrap()
-        .to_dtype(DType::F64)
-        .unwrap()
-        .to_vec1::<f64>()
-        .unwrap()
-        .into_iter()
-        .map(f64::to_bits)
-        .collect()
-}
 
 /// Two layers: `fc1` with the activation fused, `plain1` the same parameters without it.
 struct Two {
@@ -79,14 +67,6 @@ impl Module for Two {
 /// What one forward and backward leaves: the output, the input's gradient, the master
 /// gradients.
 type Seen = (Vec<u64>, Vec<u64>, BTreeMap<String, Vec<u64>>, f64, usize);
-
-/// The half tensors of the loss's graph: the edges whose gradients candle accumulates in half.
-fn half_nodes(loss: &Tensor) -> usize {
-    loss.sorted_nodes()
-        .iter()
-        .filter(|t| matches!(t.dtype(), DType::F16 | DType::BF16))
-        .count()
-}
 
 fn check(level: OptLevel, half: HalfType, act: Activation, device_path: bool, what: &str) {
     let cfg = AmpConfig::new(level)

@@ -331,3 +331,24 @@ pub fn assert_no_shared_storage(amp: &amp::Amp, optimizers: &[&amp::AmpOptimizer
         }
     }
 }
+
+/// Every value of `t` as the bits of its f64 value: a bit-for-bit comparison of any type.
+pub fn f64_bits(t: &Tensor) -> Vec<u64> {
+    t.flatten_all()
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_vec1::<f64>()
+        .unwrap()
+        .into_iter()
+        .map(f64::to_bits)
+        .collect()
+}
+
+/// The half tensors of the loss's graph: the edges whose gradients candle accumulates in half.
+pub fn half_nodes(loss: &Tensor) -> usize {
+    loss.sorted_nodes()
+        .iter()
+        .filter(|t| matches!(t.dtype(), DType::F16 | DType::BF16))
+        .count()
+}
