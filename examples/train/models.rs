@@ -110,11 +110,14 @@ impl Module for Ffn {
 
 #[derive(Debug, Clone)]
 struct Block {
-    ln1: ann::LayerNorm,
-    /// Causal self-attention, from the projections to the output projection one fused
-    /// module (`nn::SelfAttention`).
-    attn: ann::SelfAttention,
-    ffn: Ffn,
+    /// `x + dropout(attn(ln1(x)))`: the norm, the causal self-attention (from the
+    /// projections to the output projection), the dropout and the add one fused module
+    /// (`nn::Residual` over `nn::SelfAttention`).
+    attn: ann::Residual,
+    /// `x + dropout(mlp(ln2(x)))`, one fused module too.
+    ffn: ann::Residual,
+    /// The same norm and MLP for the chunked feed-forward (a memory saver).
+    ffn_parts: Ffn,
     drop: ann::Dropout,
     ffn_chunk: usize,
     recompute: Option<Recompute>,
@@ -123,32 +126,37 @@ struct Block {
 impl Block {
     fn new(vb: VarBuilder, c: &TransformerConfig, drop: Generator, recompute: Option<Recompute>) -> Result<Self> {
         let d = c.d_model;
+        let drop = ann::Dropout::new(c.dropout, drop)?;
+        let ffn_parts = Ffn {
+            ln2: ann::layer_norm(d, 1e-5, vb.pp("ln2"))?,
+            mlp: ann::Mlp::new(vec![
+                ann::linear(d, 4 * d, vb.pp("up"))?.with_activation(Activation::Gelu),
+                ann::linear(4 * d, d, vb.pp("down"))?,
+            ]),
+        };
         Ok(Self {
-            ln1: ann::layer_norm(d, 1e-5, vb.pp("ln1"))?,
-            attn: ann::self_attention(d, c.heads, true, vb.clone())?,
-            ffn: Ffn {
-                ln2: ann::layer_norm(d, 1e-5, vb.pp("ln2"))?,
-                mlp: ann::Mlp::new(vec![
-                    ann::linear(d, 4 * d, vb.pp("up"))?.with_activation(Activation::Gelu),
-                    ann::linear(4 * d, d, vb.pp("down"))?,
-                ]),
-            },
-            drop: ann::Dropout::new(c.dropout, drop)?,
+            attn: ann::Residual::new(
+                ann::layer_norm(d, 1e-5, vb.pp("ln1"))?,
+                ann::self_attention(d, c.heads, true, vb.clone())?,
+                drop.clone(),
+            ),
+            ffn: ann::Residual::new(ffn_parts.ln2.clone(), ffn_parts.mlp.clone(), drop.clone()),
+            ffn_parts,
+            drop,
             ffn_chunk: c.ffn_chunk,
             recompute,
         })
     }
 
     fn run(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        let a = self.attn.forward(&self.ln1.forward(x)?)?;
-        let x = ops::add(x, &self.drop.forward_t(&a, train)?)?;
+        let x = self.attn.forward_t(x, train)?;
         // Dropout stays outside the slices, so its mask is drawn as in the plain forward.
         let h = match (&self.recompute, self.ffn_chunk) {
-            (_, 0) => self.ffn.forward(&x)?,
-            (Some(rc), n) => rc.chunked_forward(&self.ffn, n, 1, &x, train)?,
+            (_, 0) => return self.ffn.forward_t(&x, train),
+            (Some(rc), n) => rc.chunked_forward(&self.ffn_parts, n, 1, &x, train)?,
             // Plain chunking is for inference (its result is outside the graph).
-            (None, n) if !train => chunked_forward(&self.ffn, n, 1, &x)?,
-            (None, _) => self.ffn.forward(&x)?,
+            (None, n) if !train => chunked_forward(&self.ffn_parts, n, 1, &x)?,
+            (None, _) => return self.ffn.forward_t(&x, train),
         };
         ops::add(&x, &self.drop.forward_t(&h, train)?)
     }

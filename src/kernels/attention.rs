@@ -24,7 +24,7 @@ use super::matmul::bmm;
 use super::wgrad::{Dx, GradSink, WgradLinear, applies};
 
 /// The node: the four projections, the shapes, and what the forward kept.
-struct Attention {
+pub(crate) struct Attention {
     /// Query, key, value and output projections.
     proj: [WgradLinear; 4],
     /// Batch, positions, heads, query/key width and value width per head.
@@ -78,9 +78,27 @@ impl Attention {
         super::chain::hand_over(&self.result, "amp-self-attention")
     }
 
-    /// The input's gradient (in `x_dtype`, for candle's graph; `None` when the input takes
-    /// none) after the parameters' gradients went to the sink.
+    /// Whether a projection's parameter takes a gradient.
+    pub(super) fn trains(&self) -> bool {
+        self.proj.iter().any(|p| p.has_keys())
+    }
+
+    /// The output the forward computed, once (for a node that holds this one).
+    pub(super) fn take_output(&self) -> Result<Tensor> {
+        let out = self.result.lock().unwrap_or_else(|e| e.into_inner()).take();
+        out.ok_or_else(|| candle_core::Error::Msg("amp-self-attention: the output was taken twice".into()))
+    }
+
+    /// The input's gradient for candle's graph (see [`Self::input_grad`]).
     fn bwd(&self, x_dtype: DType, g: &Tensor) -> Result<Option<Tensor>> {
+        self.input_grad(x_dtype, g)?
+            .map(super::graph_grad::for_candle)
+            .transpose()
+    }
+
+    /// The input's gradient (dense, in `x_dtype`; `None` when the input takes none) after
+    /// the parameters' gradients went to the sink.
+    pub(super) fn input_grad(&self, x_dtype: DType, g: &Tensor) -> Result<Option<Tensor>> {
         let d = self.dims;
         let [pq, pk, pv, po] = &self.proj;
         let missing = || candle_core::Error::Msg("amp-self-attention: no input gradient from a projection".into());
@@ -109,7 +127,7 @@ impl Attention {
         match (dq, dk, dv) {
             (Some(a), Some(b), Some(c)) => {
                 let sum = ((a + b)? + c)?;
-                Ok(Some(super::graph_grad::for_candle(super::cast(&sum, x_dtype)?)?))
+                Ok(Some(super::cast(&sum, x_dtype)?))
             }
             _ => Ok(None),
         }
@@ -168,6 +186,31 @@ pub(crate) fn self_attention(
     spec: AttentionSpec,
     sink: Arc<dyn GradSink>,
 ) -> Result<Option<Tensor>> {
+    let x_grad = x.track_op();
+    let Some(node) = build(x, layers, spec, sink, x_grad)? else {
+        return Ok(None);
+    };
+    let trains = node.trains();
+    let x = super::dense(x)?;
+    if x_grad {
+        return Ok(Some(x.apply_op1(node)?));
+    }
+    if !trains {
+        return Ok(Some(x.apply_op1_no_bwd(&node)?));
+    }
+    let anchor = Var::zeros((), DType::F32, x.device())?;
+    Ok(Some(x.apply_op2(anchor.as_tensor(), node)?))
+}
+
+/// The node of [`self_attention`] with its forward run (its output waits in the node), not
+/// applied to any graph; `x_grad`: whether the input's gradient is wanted.
+pub(crate) fn build(
+    x: &Tensor,
+    layers: [&ChainLayer<'_>; 4],
+    spec: AttentionSpec,
+    sink: Arc<dyn GradSink>,
+    x_grad: bool,
+) -> Result<Option<Attention>> {
     let dt = layers[0].w.dtype();
     if !matches!(dt, DType::F16 | DType::BF16) || !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) {
         return Ok(None);
@@ -197,7 +240,6 @@ pub(crate) fn self_attention(
     if layers.iter().any(|l| !applies(&xc, l.w, l.b)) {
         return Ok(None);
     }
-    let x_grad = x.track_op();
     let node = |l: &ChainLayer<'_>, grad: bool| WgradLinear::new(l.w, l.b, l.w_key, l.b_key, sink.clone(), grad, None);
     let proj = [node(lq, x_grad)?, node(lk, x_grad)?, node(lv, x_grad)?, node(lo, true)?];
     let dims = Dims {
@@ -222,8 +264,7 @@ pub(crate) fn self_attention(
     let merged = dims.merge(&a, dims.dv)?;
     drop(a);
     let y = merged.apply_op1_no_bwd(&proj[3])?;
-    let trains = proj.iter().any(|p| p.has_keys());
-    let node = Attention {
+    Ok(Some(Attention {
         proj,
         dims,
         scale: scale as f32,
@@ -234,14 +275,5 @@ pub(crate) fn self_attention(
         probs,
         merged,
         result: Mutex::new(Some(y)),
-    };
-    let x = super::dense(x)?;
-    if x_grad {
-        return Ok(Some(x.apply_op1(node)?));
-    }
-    if !trains {
-        return Ok(Some(x.apply_op1_no_bwd(&node)?));
-    }
-    let anchor = Var::zeros((), DType::F32, x.device())?;
-    Ok(Some(x.apply_op2(anchor.as_tensor(), node)?))
+    }))
 }

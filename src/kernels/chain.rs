@@ -27,7 +27,7 @@ pub(crate) struct ChainLayer<'a> {
 }
 
 /// The node: the layers, and what their forward kept.
-struct Chain {
+pub(crate) struct Chain {
     nodes: Vec<WgradLinear>,
     /// Each layer's input (the chain's input first, detached).
     inputs: Vec<Tensor>,
@@ -42,8 +42,25 @@ impl Chain {
         hand_over(&self.result, "amp-linear-chain")
     }
 
+    /// Whether a layer's parameter takes a gradient.
+    pub(super) fn trains(&self) -> bool {
+        self.nodes.iter().any(|n| n.has_keys())
+    }
+
+    /// The output the forward computed, once (for a node that holds this one).
+    pub(super) fn take_output(&self) -> Result<Tensor> {
+        let out = self.result.lock().unwrap_or_else(|e| e.into_inner()).take();
+        out.ok_or_else(|| candle_core::Error::Msg("amp-linear-chain: the output was taken twice".into()))
+    }
+
     /// The input's gradient (for candle's graph) after every layer's backward.
     fn bwd(&self, res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        self.input_grad(res, g, Dx::Graph)
+    }
+
+    /// The input's gradient in the form `dx` after every layer's backward; `res`: the
+    /// chain's output.
+    pub(super) fn input_grad(&self, res: &Tensor, g: &Tensor, dx: Dx) -> Result<Option<Tensor>> {
         let last = self.nodes.len() - 1;
         let mut g = g.clone();
         for i in (1..=last).rev() {
@@ -55,7 +72,7 @@ impl Chain {
         }
         let out = if last == 0 { res } else { &self.outputs[0] };
         let g0 = self.nodes[0].through_act(out, &g)?;
-        self.nodes[0].bwd_x(&self.inputs[0], &g0, Dx::Graph)
+        self.nodes[0].bwd_x(&self.inputs[0], &g0, dx)
     }
 }
 
@@ -123,6 +140,33 @@ pub(crate) fn chain(x: &Tensor, layers: &[ChainLayer<'_>], sink: Arc<dyn GradSin
         }
         return Ok(None);
     }
+    let x_grad = x.track_op();
+    let Some(node) = build(x, layers, sink, x_grad)? else {
+        return Ok(None);
+    };
+    let x = super::dense(x)?;
+    let trains = node.trains();
+    if x_grad {
+        return Ok(Some(x.apply_op1(node)?));
+    }
+    if !trains {
+        return Ok(Some(x.apply_op1_no_bwd(&node)?));
+    }
+    let anchor = Var::zeros((), DType::F32, x.device())?;
+    Ok(Some(x.apply_op2(anchor.as_tensor(), node)?))
+}
+
+/// The node of [`chain`] over `x` of rank 2 or more with its forward run (its output waits
+/// in the node), not applied to any graph; `x_grad`: whether the input's gradient is wanted.
+pub(crate) fn build(
+    x: &Tensor,
+    layers: &[ChainLayer<'_>],
+    sink: Arc<dyn GradSink>,
+    x_grad: bool,
+) -> Result<Option<Chain>> {
+    if layers.is_empty() || x.rank() < 2 {
+        return Ok(None);
+    }
     // Every layer applies to the previous one's output: same type, matching widths.
     let mut width = x.dim(candle_core::D::Minus1)?;
     for l in layers {
@@ -132,7 +176,6 @@ pub(crate) fn chain(x: &Tensor, layers: &[ChainLayer<'_>], sink: Arc<dyn GradSin
         width = l.w.dim(0)?;
     }
     let x = super::dense(x)?;
-    let x_grad = x.track_op();
     let mut nodes = Vec::with_capacity(layers.len());
     for (i, l) in layers.iter().enumerate() {
         nodes.push(WgradLinear::new(
@@ -155,19 +198,10 @@ pub(crate) fn chain(x: &Tensor, layers: &[ChainLayer<'_>], sink: Arc<dyn GradSin
         outputs.push(y);
     }
     let result = outputs.pop();
-    let node = Chain {
+    Ok(Some(Chain {
         nodes,
         inputs,
         outputs,
         result: Mutex::new(result),
-    };
-    let trains = node.nodes.iter().any(|n| n.has_keys());
-    if x_grad {
-        return Ok(Some(x.apply_op1(node)?));
-    }
-    if !trains {
-        return Ok(Some(x.apply_op1_no_bwd(&node)?));
-    }
-    let anchor = Var::zeros((), DType::F32, x.device())?;
-    Ok(Some(x.apply_op2(anchor.as_tensor(), node)?))
+    }))
 }

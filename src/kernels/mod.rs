@@ -42,6 +42,7 @@ mod mat;
 mod matmul;
 mod norm;
 mod relu;
+pub(crate) mod residual;
 mod simd;
 pub(crate) mod slices;
 mod softmax;

@@ -384,6 +384,33 @@ impl Fwd {
 
 type Grads = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
 
+/// A layer norm's backward for a fused node that holds the norm (`kernels::residual`): `dx`
+/// in `x`'s type where `want_x`, and `[Σ dy x̂, Σ dy]` (f32, `(2, n)`) where `want_wb`,
+/// computed as the norm's own backward computes them; `x`, `w`, `dy` dense.
+pub(super) fn layer_norm_bwd(
+    x: &Tensor,
+    w: Option<&Tensor>,
+    dy: &Tensor,
+    eps: f64,
+    want: (bool, bool),
+) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    let norm = Norm {
+        eps: eps as f32,
+        center: true,
+    };
+    let dx = match (want.0, w) {
+        (false, _) => None,
+        (true, Some(w)) => Some(x.apply_op3_no_bwd(w, dy, &GradX(norm))?),
+        (true, None) => Some(x.apply_op2_no_bwd(dy, &GradXNoW(norm))?),
+    };
+    let wb = if want.1 {
+        Some(x.apply_op2_no_bwd(dy, &GradWB(norm))?)
+    } else {
+        None
+    };
+    Ok((dx, wb))
+}
+
 impl CustomOp1 for Fwd {
     fn name(&self) -> &'static str {
         "amp-norm"

@@ -26,22 +26,42 @@ impl Dropout {
     }
 }
 
-impl ModuleT for Dropout {
-    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+impl Dropout {
+    /// The mask for an input of `shape` (f32: 0 or `1/(1-p)` per element), drawn from the
+    /// generator; `None` in evaluation or with `p = 0` (the identity).
+    pub(crate) fn mask(
+        &self,
+        shape: &candle_core::Shape,
+        device: &candle_core::Device,
+        train: bool,
+    ) -> Result<Option<Tensor>> {
         if !train || self.p == 0.0 {
-            return Ok(x.clone());
+            return Ok(None);
         }
         let keep = 1.0 - self.p;
         let scale = (1.0 / keep) as f32;
         let mask: Vec<f32> = {
             let mut rng = self.generator.lock();
-            (0..x.elem_count())
+            (0..shape.elem_count())
                 .map(|_| if rng.random::<f64>() < keep { scale } else { 0.0 })
                 .collect()
         };
-        let mask = crate::kernels::cast(&Tensor::from_vec(mask, x.shape(), x.device())?, x.dtype())?;
+        Ok(Some(Tensor::from_vec(mask, shape, device)?))
+    }
+
+    /// `x` times `mask` (from [`Self::mask`]) cast to `x`'s type.
+    pub(crate) fn apply(x: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+        let Some(mask) = mask else { return Ok(x.clone()) };
+        let mask = crate::kernels::cast(mask, x.dtype())?;
         // One node (for half tensors on the CPU) whose backward stays out of candle's half
         // element-wise code.
         crate::kernels::elementwise::mul_const(x, &mask)
+    }
+}
+
+impl ModuleT for Dropout {
+    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let mask = self.mask(x.shape(), x.device(), train)?;
+        Self::apply(x, mask.as_ref())
     }
 }

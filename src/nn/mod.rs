@@ -35,6 +35,7 @@ mod dropout;
 mod linear;
 mod mlp;
 mod norm;
+mod residual;
 mod self_attention;
 mod sync_batch_norm;
 
@@ -46,6 +47,7 @@ pub use dropout::Dropout;
 pub use linear::{Activation, Embedding, Linear, embedding, linear, linear_no_bias};
 pub use mlp::Mlp;
 pub use norm::{GroupNorm, LayerNorm, RmsNorm, group_norm, layer_norm, rms_norm};
+pub use residual::{Residual, ResidualBody};
 pub use self_attention::{SelfAttention, self_attention};
 
 pub use crate::precision::ops::{log_softmax, softmax};

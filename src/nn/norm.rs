@@ -18,6 +18,15 @@ pub struct LayerNorm {
     name: Option<Arc<str>>,
 }
 
+impl LayerNorm {
+    /// The weight, bias and epsilon of a layer norm that removes the mean (`None` for the
+    /// RMS form), for the fused residual sub-layer.
+    pub(crate) fn centred_parts(&self) -> Option<(Option<&Tensor>, Option<&Tensor>, f64)> {
+        self.remove_mean
+            .then_some((self.weight.as_ref(), self.bias.as_ref(), self.eps))
+    }
+}
+
 impl Module for LayerNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         observe::layer(self.name.as_ref(), x, None, |x| {

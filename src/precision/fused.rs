@@ -11,6 +11,7 @@ use super::observe::op as rec;
 use super::ops::{gelu, prepare, relu};
 use crate::kernels;
 use crate::kernels::wgrad::Act;
+use crate::precision::stash::GradStash;
 
 /// [`super::ops::linear`] for a layer of the library (`nn::Linear`): where its parameters belong to the
 /// run whose context is open on this thread and a half copy is involved (a half weight, or
@@ -65,9 +66,24 @@ pub(crate) fn linear_chain(x: &Tensor, layers: &[(&Tensor, Option<&Tensor>, Opti
         return Ok(None);
     }
     let (xs, _) = prepare("linear", &[x])?;
-    if !matches!(xs[0].dtype(), DType::F16 | DType::BF16) {
+    if !is_half(&xs[0]) {
         return Ok(None);
     }
+    let Some(prepared) = prepared_layers(&stash, layers)? else {
+        return Ok(None);
+    };
+    kernels::chain::chain(&xs[0], &chain_layers(&prepared), stash)
+}
+
+/// A layer's parameters as cast for `linear`, its keys and its activation.
+type Prepared = (Vec<Tensor>, Option<Tensor>, Option<Tensor>, Option<Act>);
+
+/// The layers' parameters as `linear` casts them, with their keys; `None` where a
+/// parameter is not the run's.
+fn prepared_layers(
+    stash: &GradStash,
+    layers: &[(&Tensor, Option<&Tensor>, Option<Act>)],
+) -> Result<Option<Vec<Prepared>>> {
     let mut cast = Vec::with_capacity(layers.len());
     for (w, b, act) in layers {
         let mut args = vec![*w];
@@ -75,12 +91,16 @@ pub(crate) fn linear_chain(x: &Tensor, layers: &[(&Tensor, Option<&Tensor>, Opti
             args.push(b);
         }
         let (ps, _) = prepare("linear", &args)?;
-        let Some((w_key, b_key)) = param_keys(&stash, w, *b) else {
+        let Some((w_key, b_key)) = param_keys(stash, w, *b) else {
             return Ok(None);
         };
         cast.push((ps, w_key, b_key, *act));
     }
-    let chain: Vec<kernels::chain::ChainLayer<'_>> = cast
+    Ok(Some(cast))
+}
+
+fn chain_layers(prepared: &[Prepared]) -> Vec<kernels::chain::ChainLayer<'_>> {
+    prepared
         .iter()
         .map(|(ps, wk, bk, act)| kernels::chain::ChainLayer {
             w: &ps[0],
@@ -89,8 +109,11 @@ pub(crate) fn linear_chain(x: &Tensor, layers: &[(&Tensor, Option<&Tensor>, Opti
             b_key: bk.as_ref(),
             act: *act,
         })
-        .collect();
-    kernels::chain::chain(&xs[0], &chain, stash)
+        .collect()
+}
+
+fn is_half(t: &Tensor) -> bool {
+    matches!(t.dtype(), DType::F16 | DType::BF16)
 }
 
 fn apply_act(y: &Tensor, act: Act) -> Result<Tensor> {
@@ -123,7 +146,7 @@ type Keys = (Option<Tensor>, Option<Tensor>);
 /// Each key `Some(p)` where the parameter trains (its gradient is stashed), `None` where it
 /// is frozen (none computed); `None` overall where a parameter is not the run's, so the layer
 /// keeps the graph path.
-fn param_keys(stash: &crate::precision::stash::GradStash, w: &Tensor, b: Option<&Tensor>) -> Option<Keys> {
+fn param_keys(stash: &GradStash, w: &Tensor, b: Option<&Tensor>) -> Option<Keys> {
     let key = |p: &Tensor| stash.trains(p).map(|t| t.then(|| p.clone()));
     let w_key = key(w)?;
     let b_key = match b {
@@ -154,39 +177,112 @@ pub(crate) fn self_attention(
     };
     // The type the projections compute in: the input's as `linear` casts it.
     let (xs, _) = prepare("linear", &[x])?;
-    if !matches!(xs[0].dtype(), DType::F16 | DType::BF16) {
+    if !is_half(&xs[0]) {
         return Ok(None);
     }
-    let mut cast = Vec::with_capacity(4);
-    for (w, b) in proj {
-        let mut args = vec![w];
-        if let Some(b) = b {
-            args.push(b);
-        }
-        let (ps, _) = prepare("linear", &args)?;
-        let Some((w_key, b_key)) = param_keys(&stash, w, b) else {
-            return Ok(None);
-        };
-        cast.push((ps, w_key, b_key));
-    }
-    let layers: Vec<kernels::chain::ChainLayer<'_>> = cast
-        .iter()
-        .map(|(ps, wk, bk)| kernels::chain::ChainLayer {
-            w: &ps[0],
-            b: ps.get(1),
-            w_key: wk.as_ref(),
-            b_key: bk.as_ref(),
-            act: None,
-        })
-        .collect();
-    let spec = kernels::attention::AttentionSpec {
+    let proj = proj.map(|(w, b)| (w, b, None));
+    let Some(prepared) = prepared_layers(&stash, &proj)? else {
+        return Ok(None);
+    };
+    let layers = chain_layers(&prepared);
+    // At O1 the node takes the f32 input itself and casts it once inside, so neither the
+    // input's half copy nor its three gradients are half tensors of the graph.
+    let input = if xs[0].dtype() == x.dtype() { &xs[0] } else { x };
+    let layers = [&layers[0], &layers[1], &layers[2], &layers[3]];
+    kernels::attention::self_attention(input, layers, attention_spec(heads, causal), stash)
+}
+
+fn attention_spec(heads: usize, causal: bool) -> kernels::attention::AttentionSpec {
+    kernels::attention::AttentionSpec {
         heads,
         causal,
         scale: None,
         probs_f32: autocast::is_enabled(),
+    }
+}
+
+/// The body of a fused residual sub-layer ([`residual`]).
+pub(crate) enum BodySpec<'a> {
+    /// Self-attention with the projections `[q, k, v, o]` (weight, bias).
+    Attention {
+        proj: [(&'a Tensor, Option<&'a Tensor>); 4],
+        heads: usize,
+        causal: bool,
+    },
+    /// Linear layers, each with its activation.
+    Chain(&'a [(&'a Tensor, Option<&'a Tensor>, Option<Act>)]),
+}
+
+/// `x + dropout(body(layer_norm(x)))` as one node of the run
+/// ([`kernels::residual`](crate::kernels::residual)), or `None` where that does not apply and
+/// the caller runs the unfused ops with the same `mask` (f32, `None`: no dropout): where the
+/// body's own fused node does not apply ([`self_attention`], [`linear_chain`]), or a norm
+/// parameter is not the run's.
+pub(crate) fn residual(
+    x: &Tensor,
+    norm: (Option<&Tensor>, Option<&Tensor>, f64),
+    body: BodySpec<'_>,
+    mask: Option<&Tensor>,
+) -> Result<Option<Tensor>> {
+    if autocast::hooked_context().is_some() {
+        return Ok(None);
+    }
+    let Some(stash) = autocast::run_stash() else {
+        return Ok(None);
     };
-    // At O1 the node takes the f32 input itself and casts it once inside, so neither the
-    // input's half copy nor its three gradients are half tensors of the graph.
-    let input = if xs[0].dtype() == x.dtype() { &xs[0] } else { x };
-    kernels::attention::self_attention(input, [&layers[0], &layers[1], &layers[2], &layers[3]], spec, stash)
+    let (w, b, eps) = norm;
+    let key = |p: Option<&Tensor>| match p {
+        None => Some(None),
+        Some(p) => stash.trains(p).map(|t| t.then(|| p.clone())),
+    };
+    let (Some(w_key), Some(b_key)) = (key(w), key(b)) else {
+        return Ok(None);
+    };
+    let spec = kernels::residual::NormSpec {
+        w,
+        b,
+        w_key: w_key.as_ref(),
+        b_key: b_key.as_ref(),
+        eps,
+    };
+    let (xn, _) = prepare("layer_norm", &[x])?;
+    let sink: std::sync::Arc<dyn kernels::wgrad::GradSink> = stash.clone();
+    match body {
+        BodySpec::Chain(layers) => {
+            if autocast::is_enabled() && layers.iter().any(|l| l.2 == Some(Act::Gelu)) {
+                return Ok(None);
+            }
+            let Some(prepared) = prepared_layers(&stash, layers)? else {
+                return Ok(None);
+            };
+            let chain = chain_layers(&prepared);
+            let build = |h: &Tensor| {
+                let (hs, _) = prepare("linear", &[h])?;
+                if !is_half(&hs[0]) {
+                    return Ok(None);
+                }
+                let node = kernels::chain::build(&hs[0], &chain, sink.clone(), true)?;
+                Ok(node.map(kernels::residual::Body::Chain))
+            };
+            kernels::residual::residual(x, &xn[0], spec, build, mask, stash)
+        }
+        BodySpec::Attention { proj, heads, causal } => {
+            let proj = proj.map(|(w, b)| (w, b, None));
+            let Some(prepared) = prepared_layers(&stash, &proj)? else {
+                return Ok(None);
+            };
+            let layers = chain_layers(&prepared);
+            let build = |h: &Tensor| {
+                let (hs, _) = prepare("linear", &[h])?;
+                if !is_half(&hs[0]) {
+                    return Ok(None);
+                }
+                let input = if hs[0].dtype() == h.dtype() { &hs[0] } else { h };
+                let layers = [&layers[0], &layers[1], &layers[2], &layers[3]];
+                let node = kernels::attention::build(input, layers, attention_spec(heads, causal), sink.clone(), true)?;
+                Ok(node.map(|n| kernels::residual::Body::Attention(Box::new(n))))
+            };
+            kernels::residual::residual(x, &xn[0], spec, build, mask, stash)
+        }
+    }
 }
