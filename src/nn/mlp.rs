@@ -17,8 +17,9 @@ use crate::precision::fused;
 /// to the run in f32, as a single [`Linear`]'s does. The values and gradients are the same,
 /// bit for bit, as running the layers one by one, which is what happens elsewhere: outside a
 /// run, in f32 (O0), off the CPU, while the numerics doctor records the step or a layer is
-/// kept in f32 (both work per named layer), and with a GELU layer under autocast (O1, which
-/// runs GELU in f32). No layers: the identity.
+/// kept in f32 (both work per named layer), and with GELU on the last layer under autocast
+/// (O1, which returns GELU in f32; GELU on an inner layer fuses, with the same values as
+/// the f32 GELU rounded for the next layer). No layers: the identity.
 ///
 /// ```
 /// use candle_amp::nn::{Activation, Linear, Mlp};

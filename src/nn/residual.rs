@@ -55,7 +55,7 @@ impl Module for ResidualBody {
 /// [`Dropout`] draws it, so a run reproduces either way. Elsewhere the unfused layers run:
 /// outside a run, at O0, off the CPU, while the numerics doctor records or a layer is kept
 /// in f32, for an RMS norm, and where the body's own fused node does not apply (an
-/// [`Mlp`] with GELU under autocast at O1).
+/// [`Mlp`] whose last layer has GELU, under autocast at O1).
 ///
 /// ```
 /// use candle_amp::nn::{Dropout, Linear, Mlp, Residual, layer_norm};

@@ -52,9 +52,9 @@ pub(crate) fn linear_layer_act(x: &Tensor, w: &Tensor, b: Option<&Tensor>, act: 
 /// Linear layers (weight, bias, activation after it) applied in turn to `x` as one node of
 /// the run ([`kernels::chain`](crate::kernels::chain)), or `None` where that does not apply
 /// and the caller runs the layers one by one: outside a run, when an observer records the
-/// step or a layer is kept in f32 (both work per named layer), with GELU under autocast
-/// (which runs it in f32), when nothing computes in half, and wherever a single layer's
-/// stashing node would not apply.
+/// step or a layer is kept in f32 (both work per named layer), with GELU on the last layer
+/// under autocast (which returns it in f32), when nothing computes in half, and wherever a
+/// single layer's stashing node would not apply.
 pub(crate) fn linear_chain(x: &Tensor, layers: &[(&Tensor, Option<&Tensor>, Option<Act>)]) -> Result<Option<Tensor>> {
     if autocast::hooked_context().is_some() {
         return Ok(None);
@@ -62,7 +62,7 @@ pub(crate) fn linear_chain(x: &Tensor, layers: &[(&Tensor, Option<&Tensor>, Opti
     let Some(stash) = autocast::run_stash() else {
         return Ok(None);
     };
-    if autocast::is_enabled() && layers.iter().any(|l| l.2 == Some(Act::Gelu)) {
+    if gelu_last_under_autocast(layers) {
         return Ok(None);
     }
     let (xs, _) = prepare("linear", &[x])?;
@@ -114,6 +114,15 @@ fn chain_layers(prepared: &[Prepared]) -> Vec<kernels::chain::ChainLayer<'_>> {
 
 fn is_half(t: &Tensor) -> bool {
     matches!(t.dtype(), DType::F16 | DType::BF16)
+}
+
+/// Under autocast GELU runs in f32 and returns f32 (its cast policy). Inside a chain, where
+/// the next layer casts that f32 output back to half, GELU in half gives the same values,
+/// bit for bit (the kernel computes in f32 and rounds once, as the cast does, and its
+/// backward rounds `g * gelu'(x)` once, as the cast's backward does), so it fuses; on the
+/// last layer the output's type would differ, so the chain runs layer by layer.
+fn gelu_last_under_autocast(layers: &[(&Tensor, Option<&Tensor>, Option<Act>)]) -> bool {
+    autocast::is_enabled() && layers.last().is_some_and(|l| l.2 == Some(Act::Gelu))
 }
 
 fn apply_act(y: &Tensor, act: Act) -> Result<Tensor> {
@@ -249,7 +258,7 @@ pub(crate) fn residual(
     let sink: std::sync::Arc<dyn kernels::wgrad::GradSink> = stash.clone();
     match body {
         BodySpec::Chain(layers) => {
-            if autocast::is_enabled() && layers.iter().any(|l| l.2 == Some(Act::Gelu)) {
+            if gelu_last_under_autocast(layers) {
                 return Ok(None);
             }
             let Some(prepared) = prepared_layers(&stash, layers)? else {
