@@ -357,18 +357,21 @@ fn adamw_serial<P: Elem + Vx, H: Elem + Vx>(
         Isa::Avx2 => return unsafe { x86::adamw256(p, g, m, v, h, c) },
         Isa::Portable => {}
     }
+    // Zipped slices: no bounds checks in the loop, so it vectorises (with SSE2 on the
+    // portable tier; indexed, the f16 loop ran about 4x slower than the f32 one).
+    let pgmv = p.iter_mut().zip(g).zip(m.iter_mut().zip(v.iter_mut()));
     match h {
         Some(h) => {
-            for i in 0..p.len() {
-                let np = c.update(p[i].to_f32(), g[i], &mut m[i], &mut v[i]);
-                p[i] = P::from_f32(np);
-                h[i] = H::from_f32(np);
+            for (((p, g), (m, v)), h) in pgmv.zip(h.iter_mut()) {
+                let np = c.update(p.to_f32(), *g, m, v);
+                *p = P::from_f32(np);
+                *h = H::from_f32(np);
             }
         }
         None => {
-            for i in 0..p.len() {
-                let np = c.update(p[i].to_f32(), g[i], &mut m[i], &mut v[i]);
-                p[i] = P::from_f32(np);
+            for ((p, g), (m, v)) in pgmv {
+                let np = c.update(p.to_f32(), *g, m, v);
+                *p = P::from_f32(np);
             }
         }
     }
