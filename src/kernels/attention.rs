@@ -16,7 +16,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, Var};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
 use super::chain::ChainLayer;
 use super::elementwise::rearranged;
@@ -192,14 +192,7 @@ pub(crate) fn self_attention(
     };
     let trains = node.trains();
     let x = super::dense(x)?;
-    if x_grad {
-        return Ok(Some(x.apply_op1(node)?));
-    }
-    if !trains {
-        return Ok(Some(x.apply_op1_no_bwd(&node)?));
-    }
-    let anchor = Var::zeros((), DType::F32, x.device())?;
-    Ok(Some(x.apply_op2(anchor.as_tensor(), node)?))
+    Ok(Some(super::wgrad::apply_node(&x, node, trains)?))
 }
 
 /// The node of [`self_attention`] with its forward run (its output waits in the node), not

@@ -12,7 +12,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Storage, Tensor, Var};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Storage, Tensor};
 
 use super::wgrad::{Act, Dx, GradSink, WgradLinear, applies};
 
@@ -146,14 +146,7 @@ pub(crate) fn chain(x: &Tensor, layers: &[ChainLayer<'_>], sink: Arc<dyn GradSin
     };
     let x = super::dense(x)?;
     let trains = node.trains();
-    if x_grad {
-        return Ok(Some(x.apply_op1(node)?));
-    }
-    if !trains {
-        return Ok(Some(x.apply_op1_no_bwd(&node)?));
-    }
-    let anchor = Var::zeros((), DType::F32, x.device())?;
-    Ok(Some(x.apply_op2(anchor.as_tensor(), node)?))
+    Ok(Some(super::wgrad::apply_node(&x, node, trains)?))
 }
 
 /// The node of [`chain`] over `x` of rank 2 or more with its forward run (its output waits

@@ -15,7 +15,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, Var};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
 use super::attention::Attention;
 use super::chain::Chain;
@@ -199,7 +199,6 @@ pub(crate) fn residual(
     };
     // A fresh buffer of its own for `hand_over` (the add writes one).
     let y = super::dense(&y)?;
-    let x_grad = x.track_op();
     let trains = body.trains() || norm.w_key.is_some() || norm.b_key.is_some();
     let node = Residual {
         xn,
@@ -215,12 +214,5 @@ pub(crate) fn residual(
         result: Mutex::new(Some(y)),
     };
     let x = super::dense(x)?;
-    if x_grad {
-        return Ok(Some(x.apply_op1(node)?));
-    }
-    if !trains {
-        return Ok(Some(x.apply_op1_no_bwd(&node)?));
-    }
-    let anchor = Var::zeros((), DType::F32, x.device())?;
-    Ok(Some(x.apply_op2(anchor.as_tensor(), node)?))
+    Ok(Some(super::wgrad::apply_node(&x, node, trains)?))
 }

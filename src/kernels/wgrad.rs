@@ -256,12 +256,25 @@ pub(crate) fn linear(
     }
     let x = super::dense(x)?;
     let node = WgradLinear::new(w, b, w_key, b_key, sink, x.track_op(), act)?;
-    if node.x_grad {
-        return Ok(Some(x.apply_op1(node)?));
+    let trains = node.has_keys();
+    Ok(Some(apply_node(&x, node, trains)?))
+}
+
+/// Puts a fused node (its result computed) into candle's graph over `x`: on `x` where `x`
+/// takes a gradient; outside the graph where neither `x` nor a parameter (`trains`) wants
+/// one; else over `(x, anchor)`, a fresh f32 scalar that takes none, so that candle's
+/// backward still reaches the node for its parameters' gradients.
+pub(super) fn apply_node<N: CustomOp1 + CustomOp2 + Send + Sync + 'static>(
+    x: &Tensor,
+    node: N,
+    trains: bool,
+) -> Result<Tensor> {
+    if x.track_op() {
+        return x.apply_op1(node);
     }
-    if node.w_key.is_none() && node.b_key.is_none() {
-        return Ok(Some(x.apply_op1_no_bwd(&node)?));
+    if !trains {
+        return x.apply_op1_no_bwd(&node);
     }
     let anchor = Var::zeros((), DType::F32, x.device())?;
-    Ok(Some(x.apply_op2(anchor.as_tensor(), node)?))
+    x.apply_op2(anchor.as_tensor(), node)
 }

@@ -50,10 +50,10 @@ impl Mlp {
     }
 }
 
-impl Module for Mlp {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let spec: Vec<_> = self
-            .layers
+impl Mlp {
+    /// The layers as the fused chain takes them: weight, bias, activation.
+    pub(crate) fn chain_spec(&self) -> Vec<(&Tensor, Option<&Tensor>, Option<Act>)> {
+        self.layers
             .iter()
             .map(|l| {
                 let act = l.activation().map(|a| match a {
@@ -62,8 +62,13 @@ impl Module for Mlp {
                 });
                 (l.weight(), l.bias(), act)
             })
-            .collect();
-        if let Some(y) = fused::linear_chain(x, &spec)? {
+            .collect()
+    }
+}
+
+impl Module for Mlp {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if let Some(y) = fused::linear_chain(x, &self.chain_spec())? {
             return Ok(y);
         }
         self.layers.iter().try_fold(x.clone(), |h, l| l.forward(&h))

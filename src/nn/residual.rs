@@ -3,9 +3,7 @@
 use candle_core::{Result, Tensor};
 use candle_nn::{Module, ModuleT};
 
-use super::linear::Activation;
 use super::{Dropout, LayerNorm, Mlp, SelfAttention};
-use crate::kernels::wgrad::Act;
 use crate::precision::{fused, ops};
 
 /// What a [`Residual`] sub-layer computes between its norm and its dropout.
@@ -142,17 +140,7 @@ impl Residual {
                 fused::residual(x, norm, body, mask)
             }
             ResidualBody::Mlp(m) => {
-                let spec: Vec<_> = m
-                    .layers()
-                    .iter()
-                    .map(|l| {
-                        let act = l.activation().map(|a| match a {
-                            Activation::Relu => Act::Relu,
-                            Activation::Gelu => Act::Gelu,
-                        });
-                        (l.weight(), l.bias(), act)
-                    })
-                    .collect();
+                let spec = m.chain_spec();
                 fused::residual(x, norm, fused::BodySpec::Chain(&spec), mask)
             }
         }
