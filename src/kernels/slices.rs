@@ -36,6 +36,20 @@ fn is_f16<T: 'static>() -> bool {
     std::any::TypeId::of::<T>() == std::any::TypeId::of::<f16>()
 }
 
+/// `s` as a slice of `U` when `T` is `U` (decided at compile time once monomorphised).
+#[cfg(target_arch = "x86_64")]
+fn retyped<T: 'static, U: 'static>(s: &[T]) -> Option<&[U]> {
+    // SAFETY: `T` and `U` are the same type.
+    (std::any::TypeId::of::<T>() == std::any::TypeId::of::<U>()).then(|| unsafe { &*(s as *const [T] as *const [U]) })
+}
+
+/// [`retyped`] for a mutable slice.
+#[cfg(target_arch = "x86_64")]
+fn retyped_mut<T: 'static, U: 'static>(s: &mut [T]) -> Option<&mut [U]> {
+    // SAFETY: `T` and `U` are the same type.
+    (std::any::TypeId::of::<T>() == std::any::TypeId::of::<U>()).then(|| unsafe { &mut *(s as *mut [T] as *mut [U]) })
+}
+
 /// [`convert`] on the calling thread. Panics if the lengths differ (the vector paths write
 /// `src.len()` values through `dst`'s pointer).
 pub(crate) fn convert_serial<S: Elem + Vx, D: Elem + Vx>(src: &[S], dst: &mut [D]) {
@@ -51,7 +65,15 @@ pub(crate) fn convert_serial<S: Elem + Vx, D: Elem + Vx>(src: &[S], dst: &mut [D
             return unsafe { x86::convert512(src, dst) };
         }
         Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx | Isa::Avx2 => return unsafe { x86::convert256(src, dst) },
-        Isa::Portable => {}
+        // f16 <-> f32 in SSE2 blocks, bit for bit as the loop below (`simd::widen_f16`).
+        Isa::Portable => {
+            if let (Some(s), Some(d)) = (retyped::<S, f16>(src), retyped_mut::<D, f32>(dst)) {
+                return super::simd::widen_f16(s, d);
+            }
+            if let (Some(s), Some(d)) = (retyped::<S, f32>(src), retyped_mut::<D, f16>(dst)) {
+                return super::simd::narrow_f16(s, d);
+            }
+        }
     }
     for (d, s) in dst.iter_mut().zip(src) {
         *d = D::from_f32(s.to_f32());
