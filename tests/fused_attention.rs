@@ -14,12 +14,11 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use candle_amp::kernels::{self, Isa};
 use candle_amp::nn::{Linear, SelfAttention, linear, merge_heads, scaled_dot_product_attention, split_heads};
 use candle_amp::optim::{Sgd, SgdConfig};
 use candle_amp::{self as amp, AmpConfig, HalfType, OptLevel};
 use candle_core::{D, DType, Device, Module, Tensor, Var};
-use common::{f64_bits as bits, grid, half_nodes, vals};
+use common::{backward_capturing, each_tier, f64_bits as bits, grid, half_nodes, vals};
 
 /// `force_isa` is process-wide: the tests of this file run one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -92,16 +91,7 @@ fn check(level: OptLevel, half: HalfType, causal: bool, device_path: bool, data:
         let y = model.forward(&input).unwrap();
         let loss = (y.to_dtype(DType::F32).unwrap() * &r).unwrap().sum_all().unwrap();
         let nodes = half_nodes(&loss);
-        let mut gx = None;
-        let report = amp
-            .scale_loss(&loss, &mut opt)
-            .unwrap()
-            .backward_with(|l| {
-                let g = l.backward()?;
-                gx = g.get(x.as_tensor()).cloned();
-                Ok(g)
-            })
-            .unwrap();
+        let (report, gx) = backward_capturing(&amp, &loss, &mut opt, x.as_tensor());
         assert!(!report.found_inf, "{what} fused={fused}");
         let grads = opt.master_grads().iter().map(|(k, v)| (k.clone(), bits(v))).collect();
         opt.zero_grad();
@@ -199,9 +189,7 @@ fn check(level: OptLevel, half: HalfType, causal: bool, device_path: bool, data:
 #[test]
 fn fused_self_attention_matches_the_unfused_layers_everywhere() {
     let _s = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let tiers: Vec<Isa> = Isa::ALL.into_iter().filter(|i| *i <= kernels::detected_isa()).collect();
-    for isa in tiers {
-        kernels::force_isa(Some(isa));
+    each_tier(|isa| {
         for level in [OptLevel::O0, OptLevel::O1, OptLevel::O2, OptLevel::O3] {
             for half in [HalfType::F16, HalfType::Bf16] {
                 for causal in [true, false] {
@@ -216,8 +204,7 @@ fn fused_self_attention_matches_the_unfused_layers_everywhere() {
                 }
             }
         }
-    }
-    kernels::force_isa(None);
+    });
 }
 
 /// Outside a run the module is the unfused function; bad shapes are refused when built; an

@@ -14,12 +14,11 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use candle_amp::kernels::{self, Isa};
 use candle_amp::nn::{Activation, Linear, Mlp, linear};
 use candle_amp::optim::{Sgd, SgdConfig};
 use candle_amp::{self as amp, AmpConfig, HalfType, OptLevel, ops};
 use candle_core::{DType, Device, Module, Tensor, Var};
-use common::{f64_bits as bits, grid, half_nodes, t2, vals};
+use common::{backward_capturing, each_tier, f64_bits as bits, grid, half_nodes, t2, vals};
 
 /// `force_isa` is process-wide: the tests of this file run one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -97,16 +96,7 @@ fn check(level: OptLevel, half: HalfType, act: Activation, device_path: bool, wh
         let y = model.forward(&x.as_tensor().affine(1.0, 0.0).unwrap()).unwrap();
         let loss = (y.to_dtype(DType::F32).unwrap() * &r).unwrap().sum_all().unwrap();
         let nodes = half_nodes(&loss);
-        let mut gx = None;
-        let report = amp
-            .scale_loss(&loss, &mut opt)
-            .unwrap()
-            .backward_with(|l| {
-                let g = l.backward()?;
-                gx = g.get(x.as_tensor()).cloned();
-                Ok(g)
-            })
-            .unwrap();
+        let (report, gx) = backward_capturing(&amp, &loss, &mut opt, x.as_tensor());
         assert!(!report.found_inf, "{what}");
         let grads = opt.master_grads().iter().map(|(k, v)| (k.clone(), bits(v))).collect();
         let seen = (
@@ -203,9 +193,7 @@ thread_local! {
 /// `f(level, half, act, device_path, what)` for every configuration, on every tier the CPU
 /// has (`force_isa`), the tier lifted after.
 fn each_config(mut f: impl FnMut(OptLevel, HalfType, Activation, bool, &str)) {
-    let tiers: Vec<Isa> = Isa::ALL.into_iter().filter(|i| *i <= kernels::detected_isa()).collect();
-    for isa in tiers {
-        kernels::force_isa(Some(isa));
+    each_tier(|isa| {
         for level in [OptLevel::O0, OptLevel::O1, OptLevel::O2, OptLevel::O3] {
             for half in [HalfType::F16, HalfType::Bf16] {
                 for act in [Activation::Relu, Activation::Gelu] {
@@ -216,8 +204,7 @@ fn each_config(mut f: impl FnMut(OptLevel, HalfType, Activation, bool, &str)) {
                 }
             }
         }
-    }
-    kernels::force_isa(None);
+    });
 }
 
 #[test]
@@ -311,16 +298,8 @@ fn check_chain(level: OptLevel, half: HalfType, act: Activation, device_path: bo
         let y = model.forward(&x_in).unwrap();
         let loss = (y.to_dtype(DType::F32).unwrap() * &r).unwrap().sum_all().unwrap();
         let nodes = half_nodes(&loss);
-        let mut gx = None;
-        let report = amp
-            .scale_loss(&loss, &mut opt)
-            .unwrap()
-            .backward_with(|l| {
-                let g = l.backward()?;
-                gx = g.get(x.as_tensor()).map(bits);
-                Ok(g)
-            })
-            .unwrap();
+        let (report, gx) = backward_capturing(&amp, &loss, &mut opt, x.as_tensor());
+        let gx = gx.as_ref().map(bits);
         assert!(!report.found_inf, "{what}");
         let grads: BTreeMap<String, Vec<u64>> = opt.master_grads().iter().map(|(k, v)| (k.clone(), bits(v))).collect();
         opt.zero_grad();

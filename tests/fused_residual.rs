@@ -14,13 +14,12 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use candle_amp::kernels::{self, Isa};
 use candle_amp::nn::{Activation, Dropout, LayerNorm, Mlp, Residual, ResidualBody, layer_norm, linear, self_attention};
 use candle_amp::optim::{Sgd, SgdConfig};
 use candle_amp::{self as amp, AmpConfig, Generator, HalfType, OptLevel};
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::ModuleT;
-use common::{f64_bits as bits, grid, half_nodes};
+use common::{backward_capturing, each_tier, f64_bits as bits, grid, half_nodes};
 
 /// `force_isa` is process-wide: the tests of this file run one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -136,16 +135,8 @@ fn check(level: OptLevel, half: HalfType, kind: Kind, device_path: bool, data: b
         let y = model.forward(&input).unwrap();
         let loss = (y.to_dtype(DType::F32).unwrap() * &r).unwrap().sum_all().unwrap();
         let nodes = half_nodes(&loss);
-        let mut gx = None;
-        let report = run
-            .scale_loss(&loss, &mut opt)
-            .unwrap()
-            .backward_with(|l| {
-                let g = l.backward()?;
-                gx = g.get(x.as_tensor()).map(bits);
-                Ok(g)
-            })
-            .unwrap();
+        let (report, gx) = backward_capturing(&run, &loss, &mut opt, x.as_tensor());
+        let gx = gx.as_ref().map(bits);
         assert!(!report.found_inf, "{what} fused={fused}");
         let grads = opt.master_grads().iter().map(|(k, v)| (k.clone(), bits(v))).collect();
         opt.zero_grad();
@@ -203,9 +194,7 @@ fn check(level: OptLevel, half: HalfType, kind: Kind, device_path: bool, data: b
 #[test]
 fn fused_residual_matches_the_unfused_layers_everywhere() {
     let _s = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let tiers: Vec<Isa> = Isa::ALL.into_iter().filter(|i| *i <= kernels::detected_isa()).collect();
-    for isa in tiers {
-        kernels::force_isa(Some(isa));
+    each_tier(|isa| {
         for level in [OptLevel::O0, OptLevel::O1, OptLevel::O2, OptLevel::O3] {
             for half in [HalfType::F16, HalfType::Bf16] {
                 for kind in [Kind::Attention, Kind::Relu, Kind::Gelu] {
@@ -216,8 +205,7 @@ fn fused_residual_matches_the_unfused_layers_everywhere() {
                 }
             }
         }
-    }
-    kernels::force_isa(None);
+    });
 }
 
 /// Outside a run the sub-layer is the unfused function; evaluation draws no mask; a body

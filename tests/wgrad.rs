@@ -10,7 +10,6 @@ mod common;
 
 use std::sync::Mutex;
 
-use candle_amp::kernels::{self, Isa};
 use candle_amp::nn::{Linear, linear, linear_no_bias};
 use candle_amp::optim::{Sgd, SgdConfig};
 use candle_amp::recompute::Recompute;
@@ -211,9 +210,7 @@ fn check(level: OptLevel, half: HalfType, device_path: bool, what: &str) {
 #[test]
 fn gradients_match_f64_reference_and_finite_differences_everywhere() {
     let _s = serial();
-    let tiers: Vec<Isa> = Isa::ALL.into_iter().filter(|i| *i <= kernels::detected_isa()).collect();
-    for isa in tiers {
-        kernels::force_isa(Some(isa));
+    common::each_tier(|isa| {
         for level in LEVELS {
             for half in HALVES {
                 for device_path in [false, true] {
@@ -226,8 +223,7 @@ fn gradients_match_f64_reference_and_finite_differences_everywhere() {
                 }
             }
         }
-    }
-    kernels::force_isa(None);
+    });
 }
 
 /// The layer applied to two row blocks and its weight used once more through `ops::matmul`

@@ -134,9 +134,10 @@ pub(crate) fn widen_f16(src: &[f16], dst: &mut [f32]) {
 }
 
 /// f32 -> f16 over slices, bit for bit as [`f16_bits`], for the portable tier on x86-64. A
-/// block whose values are all zero or round to a normal f16 takes the rebias-and-round
-/// step alone; a block with anything else (a subnormal or overflowing result, infinity,
-/// NaN) the general conversion.
+/// block whose values are all zero or of a magnitude in `[2^-14, 2^16)` takes the
+/// rebias-and-round step alone (which also rounds 65520 and above to infinity, as the
+/// general conversion does); a block with anything else (a result below f16's normal range,
+/// a magnitude of 2^16 or more, infinity, NaN) the general conversion.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) fn narrow_f16(src: &[f32], dst: &mut [f16]) {
     assert_eq!(src.len(), dst.len(), "narrow_f16: lengths differ");
@@ -430,7 +431,7 @@ mod tests {
         // Every 997th bit pattern, every pattern near the fast path's bounds, and the same
         // values with the odd ones zeroed (so whole blocks take the fast path).
         let mut xs: Vec<f32> = (0..u32::MAX / 997).map(|i| f32::from_bits(i * 997)).collect();
-        for edge in [0x3880_0000u32, 0x4780_0000, 0x477F_E000, 0] {
+        for edge in [0x3880_0000u32, 0x4780_0000, 0x477F_E000, 0x477F_F000, 0] {
             for d in 0..4096u32 {
                 for sign in [0, 0x8000_0000] {
                     xs.push(f32::from_bits(edge.wrapping_add(d).wrapping_sub(2048) | sign));

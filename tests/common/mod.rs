@@ -352,3 +352,35 @@ pub fn half_nodes(loss: &Tensor) -> usize {
         .filter(|t| matches!(t.dtype(), DType::F16 | DType::BF16))
         .count()
 }
+
+/// Runs `f` on every instruction-set tier the CPU has, capped with `kernels::force_isa`, then
+/// lifts the cap. `force_isa` is process-wide: call this under the test file's lock.
+pub fn each_tier(mut f: impl FnMut(amp::kernels::Isa)) {
+    use amp::kernels::{self, Isa};
+    for isa in Isa::ALL.into_iter().filter(|i| *i <= kernels::detected_isa()) {
+        kernels::force_isa(Some(isa));
+        f(isa);
+    }
+    kernels::force_isa(None);
+}
+
+/// The backward of `loss` through `amp`'s guard into `opt`, with the gradient candle's
+/// backward gave `x` (of the scaled loss; `None` if `x` took none).
+pub fn backward_capturing(
+    amp: &amp::Amp,
+    loss: &Tensor,
+    opt: &mut amp::AmpOptimizer,
+    x: &Tensor,
+) -> (amp::BackwardReport, Option<Tensor>) {
+    let mut gx = None;
+    let report = amp
+        .scale_loss(loss, opt)
+        .unwrap()
+        .backward_with(|l| {
+            let g = l.backward()?;
+            gx = g.get(x).cloned();
+            Ok(g)
+        })
+        .unwrap();
+    (report, gx)
+}
