@@ -6,7 +6,7 @@
 
 mod common;
 
-use candle_amp::kernels::{self, Isa};
+use candle_amp::kernels;
 use candle_amp::{self as amp, AmpConfig, OptLevel, nn as ann, ops};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::ModuleT;
@@ -75,14 +75,12 @@ fn run(dt: DType, w: &Tensor) -> (Tensor, [Tensor; 3]) {
 fn the_nodes_equal_candles_ops_bit_for_bit_on_every_tier() {
     let _unforce = Unforce;
     let w = Tensor::from_vec(values(3 * 40 * 48, 9), (3, 40, 48), &Device::Cpu).unwrap();
-    let tiers: Vec<Isa> = Isa::ALL.into_iter().filter(|i| *i <= kernels::detected_isa()).collect();
     for dt in [DType::F16, DType::BF16] {
         let (want_y, want_g) = {
             let _plain = kernels::plain();
             run(dt, &w)
         };
-        for &isa in &tiers {
-            kernels::force_isa(Some(isa));
+        common::each_tier(|isa| {
             let (y, g) = run(dt, &w);
             same(&y, &want_y, &format!("{dt:?} {isa:?}: forward"));
             // a and r: exact sums of half gradients, alike on both paths.
@@ -92,7 +90,7 @@ fn the_nodes_equal_candles_ops_bit_for_bit_on_every_tier() {
             let ga = g[0].to_dtype(DType::F64).unwrap();
             let want_p = ga.sum(0).unwrap().to_dtype(dt).unwrap();
             same(&g[2], &want_p, &format!("{dt:?} {isa:?}: p"));
-        }
+        });
     }
 }
 

@@ -13,6 +13,8 @@
 //! passes are the CPU kernels' own (other devices take candle's ops, which the behaviour
 //! tests cover there).
 
+mod common;
+
 use std::sync::Mutex;
 
 use candle_amp::kernels::{self, Isa};
@@ -26,12 +28,10 @@ static LOCK: Mutex<()> = Mutex::new(());
 /// Runs `f` once per instruction set the CPU has, lowest first.
 fn each_isa(mut f: impl FnMut(Isa)) {
     let _g = LOCK.lock().unwrap_or_else(|p| p.into_inner());
-    for isa in Isa::ALL.into_iter().filter(|i| *i <= kernels::detected_isa()) {
-        kernels::force_isa(Some(isa));
+    common::each_tier(|isa| {
         assert_eq!(kernels::isa(), isa);
         f(isa);
-    }
-    kernels::force_isa(None);
+    });
 }
 
 /// Values that exercise rounding: ordinary, tiny, huge, subnormal, signed zeros, ties.

@@ -176,16 +176,20 @@ impl Elem for bf16 {
     }
 }
 
-/// `s` as f32 values when `T` is f32 (decided at compile time once monomorphised), so a
-/// kernel can work on f32 data in place instead of through a conversion buffer.
+/// `s` as a slice of `U` when `T` is `U` (decided at compile time once monomorphised): a
+/// generic kernel can then take a type's own path, or work on f32 data in place instead of
+/// through a conversion buffer.
 #[inline(always)]
-pub(crate) fn as_f32_mut<T: Elem>(s: &mut [T]) -> Option<&mut [f32]> {
-    if std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>() {
-        // SAFETY: `T` is `f32`: the same slice, retyped to itself.
-        Some(unsafe { &mut *(s as *mut [T] as *mut [f32]) })
-    } else {
-        None
-    }
+pub(crate) fn retyped<T: 'static, U: 'static>(s: &[T]) -> Option<&[U]> {
+    // SAFETY: `T` is `U`: the same slice, retyped to itself.
+    (std::any::TypeId::of::<T>() == std::any::TypeId::of::<U>()).then(|| unsafe { &*(s as *const [T] as *const [U]) })
+}
+
+/// [`retyped`] for a mutable slice.
+#[inline(always)]
+pub(crate) fn retyped_mut<T: 'static, U: 'static>(s: &mut [T]) -> Option<&mut [U]> {
+    // SAFETY: `T` is `U`: the same slice, retyped to itself.
+    (std::any::TypeId::of::<T>() == std::any::TypeId::of::<U>()).then(|| unsafe { &mut *(s as *mut [T] as *mut [U]) })
 }
 
 /// `half`'s f32 -> bf16 rounding on the bit pattern.

@@ -7,7 +7,7 @@ use rayon::prelude::*;
 
 use super::dispatch::{Kernel, dispatch};
 use super::isa::{Isa, current};
-use super::simd::Elem;
+use super::simd::{Elem, retyped, retyped_mut};
 use crate::error::{AmpError, Result};
 
 /// Slices longer than this are split over the rayon pool (when it has more than one thread).
@@ -34,20 +34,6 @@ pub(crate) fn convert<S: Elem + Vx, D: Elem + Vx>(src: &[S], dst: &mut [D]) {
 /// Whether `T` is f16 (a constant once monomorphised).
 fn is_f16<T: 'static>() -> bool {
     std::any::TypeId::of::<T>() == std::any::TypeId::of::<f16>()
-}
-
-/// `s` as a slice of `U` when `T` is `U` (decided at compile time once monomorphised).
-#[cfg(target_arch = "x86_64")]
-fn retyped<T: 'static, U: 'static>(s: &[T]) -> Option<&[U]> {
-    // SAFETY: `T` and `U` are the same type.
-    (std::any::TypeId::of::<T>() == std::any::TypeId::of::<U>()).then(|| unsafe { &*(s as *const [T] as *const [U]) })
-}
-
-/// [`retyped`] for a mutable slice.
-#[cfg(target_arch = "x86_64")]
-fn retyped_mut<T: 'static, U: 'static>(s: &mut [T]) -> Option<&mut [U]> {
-    // SAFETY: `T` and `U` are the same type.
-    (std::any::TypeId::of::<T>() == std::any::TypeId::of::<U>()).then(|| unsafe { &mut *(s as *mut [T] as *mut [U]) })
 }
 
 /// [`convert`] on the calling thread. Panics if the lengths differ (the vector paths write
@@ -477,7 +463,7 @@ impl<P: Elem + Vx, H: Elem + Vx> Kernel for Sgd<'_, P, H> {
         // f32 values are updated where they are; half ones in f32 blocks, through the
         // vectorised slice conversions (a per-value `half` conversion is an out-of-line call
         // in a baseline build).
-        if let Some(p) = super::simd::as_f32_mut(p) {
+        if let Some(p) = retyped_mut::<_, f32>(p) {
             sgd_block(p, g, buf, c);
             if let Some(h) = h {
                 convert_serial(p, h);
