@@ -27,3 +27,19 @@ pub fn live_buffers(amp: &Amp, optimizers: &[&AmpOptimizer]) -> Result<Vec<(Stri
     }
     Ok(out)
 }
+
+/// A linear layer's backward (`x` m x k, `w` n x k, `b`, output gradient `g` m x n, on the
+/// CPU) computed both ways: with `g` widened to f32 once for its three uses, and with each
+/// product and the bias's column sums widening it themselves. Each as `[dw, db, dx]` (`db`
+/// left out without a bias; `dx` in f32 when `wide`, else in `x`'s type); `None` where the
+/// widened path does not apply (f32, bf16 on a tier with bf16 dot products). For the test
+/// that the two agree bit for bit.
+pub fn linear_backward_both_ways(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    g: &Tensor,
+    wide: bool,
+) -> Result<Option<[Vec<Tensor>; 2]>> {
+    Ok(crate::kernels::wgrad::backward_both_ways(x, w, b, g, wide)?)
+}

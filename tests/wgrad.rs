@@ -545,3 +545,67 @@ fn plain_candle_use_keeps_its_gradients() {
         }
     }
 }
+
+/// The bits of a tensor's values (f32 after an exact widening).
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.flatten_all()
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
+/// The layer's backward widens its output gradient once for the weight's and the input's
+/// products and the bias's sums; the same values, bit for bit, as each widening it itself.
+/// Both sizes (the direct loop and the packed product), with and without a bias, the input
+/// gradient in the input's type and in f32, in f16 and bf16, on every tier; values from
+/// subnormal to large, so a difference in any rounding or flushing would show.
+#[test]
+fn widening_the_output_gradient_once_changes_no_bit() {
+    let _g = serial();
+    common::each_tier(|isa| {
+        for dt in [DType::F16, DType::BF16] {
+            for (m, k, n) in [(3, 4, 5), (64, 96, 80)] {
+                let scaled = |len: usize, seed: u64| -> Tensor {
+                    // Magnitudes 2^-20 .. 2^6: f16 subnormals included.
+                    let v: Vec<f32> = grid(len, 1.0, 1000, seed)
+                        .iter()
+                        .enumerate()
+                        .map(|(i, u)| u / 1000.0 * 2f32.powi((i % 27) as i32 - 20))
+                        .collect();
+                    Tensor::from_vec(v, len, &Device::Cpu).unwrap().to_dtype(dt).unwrap()
+                };
+                let x = scaled(m * k, 1).reshape((m, k)).unwrap();
+                let w = scaled(n * k, 2).reshape((n, k)).unwrap();
+                let b = scaled(n, 3);
+                let g = scaled(m * n, 4).reshape((m, n)).unwrap();
+                for bias in [Some(&b), None] {
+                    for wide in [false, true] {
+                        let what = format!("{isa:?} {dt:?} {m}x{k}x{n} bias {} wide {wide}", bias.is_some());
+                        let got = amp::testing::linear_backward_both_ways(&x, &w, bias, &g, wide).unwrap();
+                        let plain = isa < amp::kernels::Isa::Avx512Bf16;
+                        let Some([once, each]) = got else {
+                            assert!(dt == DType::BF16 && !plain, "{what}: the widened path did not apply");
+                            continue;
+                        };
+                        assert!(dt == DType::F16 || plain, "{what}: applied with bf16 dot products");
+                        assert_eq!(once.len(), 2 + usize::from(bias.is_some()), "{what}");
+                        assert_eq!(once.len(), each.len(), "{what}");
+                        for (a, e) in once.iter().zip(&each) {
+                            assert_eq!((a.dims(), a.dtype()), (e.dims(), e.dtype()), "{what}");
+                            assert_eq!(bits(a), bits(e), "{what}");
+                        }
+                        let dx = once.last().unwrap();
+                        assert_eq!(dx.dtype(), if wide { DType::F32 } else { dt }, "{what}");
+                        // Not all zero: the values reached the products.
+                        assert!(vals(dx).iter().any(|v| *v != 0.0), "{what}");
+                    }
+                }
+            }
+        }
+    });
+}

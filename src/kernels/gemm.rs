@@ -174,6 +174,12 @@ fn dense_span<T>(v: &Mat<'_, T>, rows: usize, cols: usize) -> Option<(usize, usi
     (dense && extent == rows * cols).then_some((v.off, v.off + extent))
 }
 
+/// The strides of a dense view once its span is copied out as one slice (what [`widen`]
+/// gives the product).
+fn dense_strides<T>(v: &Mat<'_, T>, rows: usize, cols: usize) -> (usize, usize) {
+    (if rows == 1 { cols } else { v.rs }, if cols == 1 { 1 } else { v.cs })
+}
+
 /// Widens a view into `buf` and returns the f32 view with the same layout (dense blocks are
 /// converted as one slice at memory speed; other views are gathered row-major).
 fn widen<'b, T: Elem + Vx>(
@@ -191,7 +197,7 @@ fn widen<'b, T: Elem + Vx>(
     let (rs, cs) = match dense_span(v, rows, cols) {
         Some((lo, hi)) => {
             convert(&v.data[lo..hi], dst);
-            (if rows == 1 { cols } else { v.rs }, if cols == 1 { 1 } else { v.cs })
+            dense_strides(v, rows, cols)
         }
         None => {
             v.widen_into(rows, cols, dst);
@@ -243,6 +249,77 @@ fn widened<T: Elem + Vx>(
         }
         // Re-entered on this thread (rayon ran another product while this one waits inside
         // the parallel gemm): fresh buffers.
+        Err(_) => run(&mut Vec::new(), &mut Vec::new()),
+    })
+}
+
+/// Whether `T`'s product on the active tier is the plain widened one: both operands widened
+/// exactly, then the f32 product (f16 on every tier; bf16 where it has no dot products). A
+/// caller may then widen an operand itself, once for several products ([`gemm_wide_lhs`]).
+pub(crate) fn widens_plainly<T: 'static>() -> bool {
+    let id = std::any::TypeId::of::<T>();
+    if id == std::any::TypeId::of::<f16>() {
+        return true;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if matches!(current(), Isa::Amx | Isa::Avx512Bf16) {
+        return false;
+    }
+    id == std::any::TypeId::of::<bf16>()
+}
+
+/// `c (+)= a . b` with `a` already widened to f32, bit for bit as `T::gemm` on `a`'s half
+/// values where [`widens_plainly::<T>`] holds: the same f32 views reach the same product.
+pub(crate) fn gemm_wide_lhs<T: Elem + Vx>(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Mat<'_, f32>,
+    b: Mat<'_, T>,
+    c: &mut [f32],
+    ldc: usize,
+    acc: bool,
+) {
+    if is_small(m, n, k) {
+        // As `small`: row-major copies of both, the direct loop.
+        if m == 0 || n == 0 || k == 0 {
+            if !acc {
+                for i in 0..m {
+                    c[i * ldc..i * ldc + n].fill(0.0);
+                }
+            }
+            return;
+        }
+        // Tiny (m*n*k <= SMALL): fresh copies cost nothing here.
+        let mut ab = vec![0f32; m * k];
+        let mut bb = vec![0f32; k * n];
+        a.widen_into(m, k, &mut ab);
+        b.widen_into(k, n, &mut bb);
+        return small_f32(m, n, k, &ab, &bb, c, ldc, acc);
+    }
+    let mut run = |sa: &mut Vec<f32>, sb: &mut Vec<f32>| {
+        // `a` as `widen` would have made it: a dense view's span with its strides (no copy),
+        // anything else gathered row-major.
+        let av = match dense_span(&a, m, k) {
+            Some((lo, hi)) => {
+                let (rs, cs) = dense_strides(&a, m, k);
+                Mat {
+                    data: &a.data[lo..hi],
+                    off: 0,
+                    rs,
+                    cs,
+                }
+            }
+            None => widen(&a, m, k, sa, false),
+        };
+        let bv = widen(&b, k, n, sb, false);
+        gemm_f32(m, n, k, av, bv, c, ldc, acc);
+    };
+    SCRATCH.with(|s| match s.try_borrow_mut() {
+        Ok(mut s) => {
+            let (sa, sb) = &mut *s;
+            run(sa, sb)
+        }
         Err(_) => run(&mut Vec::new(), &mut Vec::new()),
     })
 }

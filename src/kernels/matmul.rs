@@ -79,9 +79,10 @@ impl Stack {
 /// rayon pool.
 fn products<T: GemmElem>(a: &[T], sa: &Stack, b: &[T], sb: &Stack, out: &mut [f32]) {
     let (m, k, n) = (sa.rows, sa.cols, sb.cols);
-    // Zero-sized products: nothing to compute (m or n is 0), or a sum over nothing, which is
-    // the zeros `out` already holds (k is 0).
+    // Zero-sized products: nothing to compute (m or n is 0), or a sum over nothing (k is 0):
+    // zeros (`out` may be scratch).
     if out.is_empty() || k == 0 {
+        out.fill(0.0);
         return;
     }
     let run = |(i, o): (usize, &mut [f32])| T::gemm(m, n, k, sa.mat(a, i), sb.mat(b, i), o, n, false);
@@ -92,21 +93,35 @@ fn products<T: GemmElem>(a: &[T], sa: &Stack, b: &[T], sb: &Stack, out: &mut [f3
     }
 }
 
-/// `f32` values as a storage of `dt`.
-fn storage_of(v: Vec<f32>, dt: DType) -> Result<CpuStorage> {
+/// `f32` values rounded into a fresh storage of `dt` (f16 or bf16).
+fn half_storage_of(v: &[f32], dt: DType) -> Result<CpuStorage> {
     Ok(match dt {
-        DType::F32 => CpuStorage::F32(v),
         DType::F16 => {
             let mut d = vec![f16::ZERO; v.len()];
-            convert(&v, &mut d);
+            convert(v, &mut d);
             CpuStorage::F16(d)
         }
         DType::BF16 => {
             let mut d = vec![bf16::ZERO; v.len()];
-            convert(&v, &mut d);
+            convert(v, &mut d);
             CpuStorage::BF16(d)
         }
         other => candle_core::bail!("matmul: unsupported type {other:?}"),
+    })
+}
+
+/// A result of `len` values of `dt` that `f` computes in f32 (writing every value): an f32
+/// result is the buffer itself; a half one is rounded from this thread's scratch
+/// (`scratch`), so the f32 accumulation is not a fresh allocation each call.
+pub(super) fn f32_result(len: usize, dt: DType, f: impl FnOnce(&mut [f32]) -> Result<()>) -> Result<CpuStorage> {
+    if dt == DType::F32 {
+        let mut v = vec![0f32; len];
+        f(&mut v)?;
+        return Ok(CpuStorage::F32(v));
+    }
+    super::scratch::with_f32(len, |buf| {
+        f(buf)?;
+        half_storage_of(buf, dt)
     })
 }
 
@@ -134,17 +149,26 @@ impl CustomOp2 for Bmm {
             candle_core::bail!("amp-matmul: shapes {:?} and {:?} do not multiply", l1.dims(), l2.dims())
         }
         let batch = sa.offsets.len();
-        let mut out = vec![0f32; batch * sa.rows * sb.cols];
-        match (s1, s2) {
-            (CpuStorage::F32(a), CpuStorage::F32(b)) => products(a, &sa, b, &sb, &mut out),
-            (CpuStorage::F16(a), CpuStorage::F16(b)) => products(a, &sa, b, &sb, &mut out),
-            (CpuStorage::BF16(a), CpuStorage::BF16(b)) => products(a, &sa, b, &sb, &mut out),
+        let dt = if self.f32_out { DType::F32 } else { s1.dtype() };
+        let len = batch * sa.rows * sb.cols;
+        let out = match (s1, s2) {
+            (CpuStorage::F32(a), CpuStorage::F32(b)) => f32_result(len, dt, |o| {
+                products(a, &sa, b, &sb, o);
+                Ok(())
+            })?,
+            (CpuStorage::F16(a), CpuStorage::F16(b)) => f32_result(len, dt, |o| {
+                products(a, &sa, b, &sb, o);
+                Ok(())
+            })?,
+            (CpuStorage::BF16(a), CpuStorage::BF16(b)) => f32_result(len, dt, |o| {
+                products(a, &sa, b, &sb, o);
+                Ok(())
+            })?,
             _ => candle_core::bail!("amp-matmul: {:?} x {:?}", s1.dtype(), s2.dtype()),
-        }
+        };
         let mut dims = l1.dims()[..l1.dims().len() - 2].to_vec();
         dims.extend([sa.rows, sb.cols]);
-        let dt = if self.f32_out { DType::F32 } else { s1.dtype() };
-        Ok((storage_of(out, dt)?, Shape::from(dims)))
+        Ok((out, Shape::from(dims)))
     }
 
     fn bwd(&self, a: &Tensor, b: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
@@ -181,7 +205,7 @@ pub(super) fn bmm_f32(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Tens
 /// [`bmm`] for the gradient of `of` (a parameter: a linear's weight, a matmul's variable;
 /// `None` for activations): while a capture is open (the doctor records this backward), a
 /// gradient rounded to half is kept in f32 first (`super::capture`); the rounding is the
-/// same (`to_dtype` rounds to nearest even as `storage_of` does).
+/// same (`to_dtype` rounds to nearest even as `half_storage_of` does).
 fn grad_bmm(of: Option<&Tensor>, a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Tensor> {
     let Some(of) = of.filter(|_| super::capture::active() && matches!(a.dtype(), DType::F16 | DType::BF16)) else {
         return bmm(a, b, ta, tb);
@@ -260,8 +284,15 @@ fn plain_matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 struct Linear;
 
 /// Rows of `x` (all dims but the last, flattened; `x` contiguous), `w` (n x k) as the
-/// transposed right operand.
-fn linear_fwd<T: GemmElem>(x: &[T], xl: &Layout, w: &[T], wl: &Layout, bias: Option<Vec<f32>>) -> Result<Vec<f32>> {
+/// transposed right operand, into `out` (m x n, every value written).
+fn linear_fwd<T: GemmElem>(
+    x: &[T],
+    xl: &Layout,
+    w: &[T],
+    wl: &Layout,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+) -> Result<()> {
     let (xa, xb) = xl
         .contiguous_offsets()
         .ok_or_else(|| candle_core::Error::Msg("amp-linear: x must be contiguous".into()))?;
@@ -276,13 +307,18 @@ fn linear_fwd<T: GemmElem>(x: &[T], xl: &Layout, w: &[T], wl: &Layout, bias: Opt
         candle_core::bail!("amp-linear: x {:?} and weight {:?} do not match", xl.dims(), wl.dims())
     }
     let n = ws.cols;
-    let mut out = vec![0f32; m * n];
-    if let Some(b) = &bias
-        && n > 0
-    {
-        for row in out.chunks_mut(n) {
-            row.copy_from_slice(b);
+    if out.len() != m * n {
+        candle_core::bail!("amp-linear: output of {} values for {m} x {n}", out.len())
+    }
+    match bias {
+        Some(b) if n > 0 => {
+            for row in out.chunks_mut(n) {
+                row.copy_from_slice(b);
+            }
         }
+        // Overwritten by the product unless it is a sum over nothing.
+        _ if k == 0 => out.fill(0.0),
+        _ => {}
     }
     let xm = Mat {
         data: x,
@@ -291,9 +327,9 @@ fn linear_fwd<T: GemmElem>(x: &[T], xl: &Layout, w: &[T], wl: &Layout, bias: Opt
         cs: 1,
     };
     if m > 0 && n > 0 && k > 0 {
-        T::gemm(m, n, k, xm, ws.mat(w, 0), &mut out, n, bias.is_some());
+        T::gemm(m, n, k, xm, ws.mat(w, 0), out, n, bias.is_some());
     }
-    Ok(out)
+    Ok(())
 }
 
 /// A bias as f32 values (`linear` made it contiguous).
@@ -329,17 +365,19 @@ pub(super) fn linear_cpu(
     if l2.dims().len() != 2 {
         candle_core::bail!("amp-linear: the weight must be 2-d, got {:?}", l2.dims())
     }
+    let shape = linear_shape(l1, l2);
+    let (len, dt, b) = (shape.elem_count(), s1.dtype(), bias.as_deref());
     let out = match (s1, s2) {
-        (CpuStorage::F32(x), CpuStorage::F32(w)) => linear_fwd(x, l1, w, l2, bias)?,
-        (CpuStorage::F16(x), CpuStorage::F16(w)) => linear_fwd(x, l1, w, l2, bias)?,
-        (CpuStorage::BF16(x), CpuStorage::BF16(w)) => linear_fwd(x, l1, w, l2, bias)?,
+        (CpuStorage::F32(x), CpuStorage::F32(w)) => f32_result(len, dt, |o| linear_fwd(x, l1, w, l2, b, o))?,
+        (CpuStorage::F16(x), CpuStorage::F16(w)) => f32_result(len, dt, |o| linear_fwd(x, l1, w, l2, b, o))?,
+        (CpuStorage::BF16(x), CpuStorage::BF16(w)) => f32_result(len, dt, |o| linear_fwd(x, l1, w, l2, b, o))?,
         _ => candle_core::bail!("amp-linear: {:?} x {:?}", s1.dtype(), s2.dtype()),
     };
-    Ok((storage_of(out, s1.dtype())?, linear_shape(l1, l2)))
+    Ok((out, shape))
 }
 
 /// The column sums of `g` (rows of length n), in f32.
-fn column_sums<T: Elem + super::slices::Vx>(g: &[T], n: usize) -> Vec<f32> {
+pub(super) fn column_sums<T: Elem + super::slices::Vx>(g: &[T], n: usize) -> Vec<f32> {
     if n == 0 {
         return Vec::new();
     }

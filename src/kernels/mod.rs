@@ -43,6 +43,7 @@ mod matmul;
 mod norm;
 mod relu;
 pub(crate) mod residual;
+mod scratch;
 mod simd;
 pub(crate) mod slices;
 mod softmax;

@@ -181,25 +181,214 @@ impl WgradLinear {
         let m: usize = x.dims()[..x.rank().saturating_sub(1)].iter().product();
         let g = super::dense(g)?;
         let g2 = g.reshape((m, n))?;
+        if let Some(r) = self.bwd_x_widened(x, &g2, (m, n, k), out)? {
+            return Ok(r);
+        }
+        self.bwd_x_per_product(x, &g2, (m, k), out)
+    }
+
+    /// [`Self::bwd_x`] with each product and the column sums on `g2` (m x n) as it is.
+    fn bwd_x_per_product(&self, x: &Tensor, g2: &Tensor, (m, k): (usize, usize), out: Dx) -> Result<Option<Tensor>> {
+        let n = g2.dim(1)?;
         // dw = g^T . x (n x m . m x k) and db = column sums of g, both kept in f32.
         if let Some(key) = &self.w_key {
             let x2 = super::dense(&x.detach())?.reshape((m, k))?;
-            self.sink.add(key, bmm_f32(&g2, &x2, true, false)?)?;
+            self.sink.add(key, bmm_f32(g2, &x2, true, false)?)?;
         }
         if let Some(key) = &self.b_key {
-            let sums = gradient_column_sums(&g2, n)?;
-            self.sink.add(key, Tensor::from_vec(sums, n, g.device())?)?;
+            let sums = gradient_column_sums(g2, n)?;
+            self.sink.add(key, Tensor::from_vec(sums, n, g2.device())?)?;
         }
         // dx = g . w (m x n . n x k), in x's type.
         if !self.x_grad {
             return Ok(None);
         }
         Ok(Some(match out {
-            Dx::Graph => super::graph_grad::for_candle(bmm(&g2, &self.w, false, false)?.reshape(x.shape())?)?,
-            Dx::Dense => bmm(&g2, &self.w, false, false)?.reshape(x.shape())?,
-            Dx::Wide => bmm_f32(&g2, &self.w, false, false)?.reshape(x.shape())?,
+            Dx::Graph => super::graph_grad::for_candle(bmm(g2, &self.w, false, false)?.reshape(x.shape())?)?,
+            Dx::Dense => bmm(g2, &self.w, false, false)?.reshape(x.shape())?,
+            Dx::Wide => bmm_f32(g2, &self.w, false, false)?.reshape(x.shape())?,
         }))
     }
+}
+
+impl WgradLinear {
+    /// [`Self::bwd_x`] with `g` widened to f32 once for its three uses (the weight's and the
+    /// input's products, the bias's column sums) instead of once in each, where the products
+    /// widen their operands plainly (`gemm::widens_plainly`): the same f32 values reach the
+    /// same products and sums, so the results are the same bit for bit. `None`: not that case
+    /// (f32, a tier with bf16 dot products, a layout that is not dense).
+    fn bwd_x_widened(
+        &self,
+        x: &Tensor,
+        g2: &Tensor,
+        mnk: (usize, usize, usize),
+        out: Dx,
+    ) -> Result<Option<Option<Tensor>>> {
+        let want = Wanted {
+            w: self.w_key.is_some(),
+            b: self.b_key.is_some(),
+            x: self
+                .x_grad
+                .then_some(if out == Dx::Wide { DType::F32 } else { x.dtype() }),
+        };
+        let (dw, db, dx) = {
+            // Read guards only, released before the sink (which writes other buffers) runs.
+            let (gs, gl) = g2.storage_and_layout();
+            let (xs, xl) = x.storage_and_layout();
+            let (ws, wl) = self.w.storage_and_layout();
+            let (Storage::Cpu(gc), Storage::Cpu(xc), Storage::Cpu(wc)) = (&*gs, &*xs, &*ws) else {
+                return Ok(None);
+            };
+            let (Some((ga, gb)), Some((xa, xb)), Some((wa, wb))) = (
+                gl.contiguous_offsets(),
+                xl.contiguous_offsets(),
+                wl.contiguous_offsets(),
+            ) else {
+                return Ok(None);
+            };
+            match (gc, xc, wc) {
+                (CpuStorage::F16(g), CpuStorage::F16(x), CpuStorage::F16(w)) => {
+                    widened_grads(&g[ga..gb], &x[xa..xb], &w[wa..wb], mnk, want)?
+                }
+                (CpuStorage::BF16(g), CpuStorage::BF16(x), CpuStorage::BF16(w))
+                    if super::gemm::widens_plainly::<half::bf16>() =>
+                {
+                    widened_grads(&g[ga..gb], &x[xa..xb], &w[wa..wb], mnk, want)?
+                }
+                _ => return Ok(None),
+            }
+        };
+        let (_, n, k) = mnk;
+        let dev = Device::Cpu;
+        if let (Some(key), Some(dw)) = (&self.w_key, dw) {
+            self.sink.add(key, Tensor::from_vec(dw, (n, k), &dev)?)?;
+        }
+        if let (Some(key), Some(db)) = (&self.b_key, db) {
+            self.sink.add(key, Tensor::from_vec(db, n, &dev)?)?;
+        }
+        let Some(dx) = dx else {
+            return Ok(Some(None));
+        };
+        let dx = tensor_of(dx, x.shape())?;
+        Ok(Some(Some(if out == Dx::Graph {
+            super::graph_grad::for_candle(dx)?
+        } else {
+            dx
+        })))
+    }
+}
+
+/// For the crate's tests: a layer's backward (`x`, `w`, `b`, output gradient `g`, rank 2)
+/// both ways, widened once and per product, each as `[dw, db, dx]` (dx in f32 when `wide`);
+/// `None` where the widened path does not apply.
+pub(crate) fn backward_both_ways(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    g: &Tensor,
+    wide: bool,
+) -> Result<Option<[Vec<Tensor>; 2]>> {
+    struct Keep(Mutex<Vec<Tensor>>);
+    impl GradSink for Keep {
+        fn add(&self, _param: &Tensor, grad: Tensor) -> Result<()> {
+            self.0.lock().unwrap_or_else(|e| e.into_inner()).push(grad);
+            Ok(())
+        }
+    }
+    let (m, k) = x.dims2()?;
+    let n = w.dim(0)?;
+    let out = if wide { Dx::Wide } else { Dx::Dense };
+    let run = |widened: bool| -> Result<Option<Vec<Tensor>>> {
+        let sink = Arc::new(Keep(Mutex::new(Vec::new())));
+        let node = WgradLinear::new(w, b, Some(w), b, sink.clone(), true, None)?;
+        let dx = if widened {
+            match node.bwd_x_widened(x, g, (m, n, k), out)? {
+                Some(dx) => dx,
+                None => return Ok(None),
+            }
+        } else {
+            node.bwd_x_per_product(x, g, (m, k), out)?
+        };
+        let mut all = std::mem::take(&mut *sink.0.lock().unwrap_or_else(|e| e.into_inner()));
+        all.extend(dx);
+        Ok(Some(all))
+    };
+    Ok(match (run(true)?, run(false)?) {
+        (Some(a), Some(b)) => Some([a, b]),
+        _ => None,
+    })
+}
+
+/// Which gradients [`widened_grads`] computes; `x`: the input's, in this type.
+#[derive(Clone, Copy)]
+struct Wanted {
+    w: bool,
+    b: bool,
+    x: Option<DType>,
+}
+
+/// A linear layer's gradients from its output gradient `g` (m x n), input `x` (m x k) and
+/// weight `w` (n x k), all dense: `g` widened once into this thread's scratch, then
+/// dw = g^T . x and db = column sums of g in f32, dx = g . w in `want.x`'s type.
+#[allow(clippy::type_complexity)]
+fn widened_grads<T: super::gemm::GemmElem>(
+    g: &[T],
+    x: &[T],
+    w: &[T],
+    (m, n, k): (usize, usize, usize),
+    want: Wanted,
+) -> Result<(Option<Vec<f32>>, Option<Vec<f32>>, Option<CpuStorage>)> {
+    use super::mat::Mat;
+    if g.len() != m * n || x.len() != m * k || w.len() != n * k {
+        candle_core::bail!(
+            "amp-linear-wgrad: gradient {} x {}, input {m} x {k}, weight {n} x {k}",
+            g.len(),
+            n
+        )
+    }
+    super::scratch::with_f32(m * n, |g32| {
+        super::slices::convert(g, g32);
+        let dw = want.w.then(|| {
+            let mut dw = vec![0f32; n * k];
+            let gt = Mat {
+                data: &g32[..],
+                off: 0,
+                rs: 1,
+                cs: n,
+            };
+            let xm = Mat {
+                data: x,
+                off: 0,
+                rs: k,
+                cs: 1,
+            };
+            super::gemm::gemm_wide_lhs(n, k, m, gt, xm, &mut dw, k, false);
+            dw
+        });
+        let db = want.b.then(|| super::matmul::column_sums(&g32[..], n));
+        let dx = want
+            .x
+            .map(|dt| {
+                super::matmul::f32_result(m * k, dt, |o| {
+                    let gm = Mat {
+                        data: &g32[..],
+                        off: 0,
+                        rs: n,
+                        cs: 1,
+                    };
+                    let wm = Mat {
+                        data: w,
+                        off: 0,
+                        rs: k,
+                        cs: 1,
+                    };
+                    super::gemm::gemm_wide_lhs(m, k, n, gm, wm, o, k, false);
+                    Ok(())
+                })
+            })
+            .transpose()?;
+        Ok((dw, db, dx))
+    })
 }
 
 impl CustomOp1 for WgradLinear {
