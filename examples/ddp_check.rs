@@ -158,6 +158,7 @@ fn main() -> Result<()> {
             );
         }
     }
+    failures += collectives(&*comm, rank, world)?;
     // A rank that stops answering: the others fail with a timeout instead of hanging. Rank
     // 1+ arrive 3 s late at a barrier rank 0 waits for 1 s; then everyone meets again.
     mpi.set_timeout(Duration::from_secs(1));
@@ -193,4 +194,63 @@ fn main() -> Result<()> {
         println!("ddp_check: all {} scenarios passed on {world} ranks", scenarios.len());
     }
     Ok(())
+}
+
+/// Reduce-scatter and all-gather across real processes: each rank's block of the sum is the
+/// matching part of the all-reduce's (bit for bit on two ranks, where a sum of two is exact
+/// in any order), every rank gets every rank's bytes in rank order, and a partition the
+/// ranks disagree on fails on every rank before any data moves. Returns 1 if any rank saw a
+/// problem, else 0.
+fn collectives(comm: &dyn Communicator, rank: usize, world: usize) -> Result<usize> {
+    let mut problems = Vec::new();
+    let block = 5;
+    let send: Vec<f32> = (0..world * block)
+        .map(|i| {
+            let big = if (i + rank).is_multiple_of(3) { 1.0e8 } else { 1.0 };
+            (i as f32 * 0.37 + rank as f32 * 1.91 - 2.5) * big
+        })
+        .collect();
+    let mut all = send.clone();
+    comm.all_reduce_sum(&mut all)?;
+    let mut mine = vec![f32::NAN; block];
+    comm.reduce_scatter_sum(&send, &mut mine)?;
+    for (i, (a, b)) in mine.iter().zip(&all[rank * block..(rank + 1) * block]).enumerate() {
+        let same = if world <= 2 {
+            a.to_bits() == b.to_bits()
+        } else {
+            (a - b).abs() <= 1e-6 * b.abs().max(1.0)
+        };
+        if !same {
+            problems.push(format!("reduce_scatter_sum[{i}] is {a}, the all-reduce gives {b}"));
+        }
+    }
+    let bytes = |r: usize| (0..7).map(move |i| (r * 31 + i * 7) as u8);
+    let mut gathered = vec![0u8; world * 7];
+    comm.all_gather_bytes(&bytes(rank).collect::<Vec<_>>(), &mut gathered)?;
+    if gathered != (0..world).flat_map(bytes).collect::<Vec<_>>() {
+        problems.push(format!("all_gather_bytes gave {gathered:?}"));
+    }
+    let b = if rank == 0 { 2 } else { 3 };
+    let mut untouched = vec![-7.0f32; b];
+    match comm.reduce_scatter_sum(&vec![1.0; world * b], &mut untouched) {
+        Err(candle_amp::AmpError::Distributed {
+            kind: candle_amp::DistErrorKind::Mismatch,
+            ..
+        }) if untouched.iter().all(|v| *v == -7.0) => {}
+        other => problems.push(format!("a partition the ranks disagree on gave {other:?}")),
+    }
+    let mut bad = [problems.len() as f32];
+    comm.all_reduce_sum(&mut bad)?;
+    for p in &problems {
+        eprintln!("rank {rank}: collectives: {p}");
+    }
+    if bad[0] > 0.0 {
+        return Ok(1);
+    }
+    if rank == 0 {
+        eprintln!(
+            "collectives: reduce-scatter equals the all-reduce's blocks, all-gather in rank order, a disagreeing partition refused on every rank"
+        );
+    }
+    Ok(0)
 }

@@ -85,6 +85,102 @@ pub trait Communicator: Send + Sync + std::fmt::Debug {
 
     /// Returns when every rank has called it.
     fn barrier(&self) -> Result<()>;
+
+    /// Sums `send` element-wise over the ranks and leaves this rank's block of the sum in
+    /// `recv` (`MPI_Reduce_scatter_block`, `ncclReduceScatter`, PyTorch's
+    /// `reduce_scatter_tensor`): `send` holds `world_size()` blocks of `recv.len()` values,
+    /// and rank `r` gets the sum of every rank's block `r`, the same bits as the matching
+    /// part of [`all_reduce_sum`](Self::all_reduce_sum) gives on the same backend (ZeRO
+    /// stage 2 reduces each gradient shard to its owner this way). The order of the sum is the
+    /// backend's: over two ranks it is exact in any order, over more the rounding may differ
+    /// from `all_reduce_sum`'s (`LocalGroup` sums in rank order, as its all-reduce does).
+    ///
+    /// Every rank must pass the same partition (the same `recv.len()`). A `send` that is not
+    /// `world_size()` blocks is an [`AmpError::InvalidArgument`] on that rank before anything
+    /// is sent; ranks that disagree on the block length all fail with a
+    /// [`DistErrorKind::Mismatch`] before any data moves, and `recv` is left as it was. The
+    /// default agrees on the length first, then all-reduces the whole buffer and keeps this
+    /// rank's block (the traffic of an all-reduce); the backends override it.
+    fn reduce_scatter_sum(&self, send: &[f32], recv: &mut [f32]) -> Result<()> {
+        check_blocks(
+            self.rank(),
+            self.world_size(),
+            "reduce_scatter_sum",
+            send.len(),
+            recv.len(),
+        )?;
+        agree_on_len(self, "reduce_scatter_sum", recv.len())?;
+        let mut all = send.to_vec();
+        self.all_reduce_sum(&mut all)?;
+        let r = self.rank();
+        recv.copy_from_slice(&all[r * recv.len()..(r + 1) * recv.len()]);
+        Ok(())
+    }
+
+    /// Gathers every rank's `send` into `recv`, rank `r`'s bytes at `r * send.len()`
+    /// (`MPI_Allgather`, `ncclAllGather`, PyTorch's `all_gather_into_tensor`): every rank
+    /// gets the same bytes. Bytes, so any element type travels at its own size (ZeRO's
+    /// half working weights: half the bytes of f32).
+    ///
+    /// Every rank must pass the same `send.len()`; `recv` must hold `world_size()` times
+    /// that ([`AmpError::InvalidArgument`] before anything is sent otherwise). Ranks that
+    /// disagree on the length all fail with a [`DistErrorKind::Mismatch`] before any data
+    /// moves, `recv` untouched. The default agrees on the length, then broadcasts each
+    /// rank's bytes in turn; the backends override it.
+    fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8]) -> Result<()> {
+        check_blocks(
+            self.rank(),
+            self.world_size(),
+            "all_gather_bytes",
+            recv.len(),
+            send.len(),
+        )?;
+        agree_on_len(self, "all_gather_bytes", send.len())?;
+        for r in 0..self.world_size() {
+            let mut b = if r == self.rank() { send.to_vec() } else { Vec::new() };
+            self.broadcast_bytes(&mut b, r)?;
+            recv[r * send.len()..(r + 1) * send.len()].copy_from_slice(&b);
+        }
+        Ok(())
+    }
+}
+
+/// That `whole` is `world` blocks of `block` values: the local half of a reduce-scatter's or
+/// an all-gather's partition check.
+pub(crate) fn check_blocks(rank: usize, world: usize, op: &str, whole: usize, block: usize) -> Result<()> {
+    if Some(whole) != block.checked_mul(world) {
+        return Err(AmpError::InvalidArgument {
+            argument: if op == "all_gather_bytes" { "recv" } else { "send" },
+            reason: format!(
+                "`{op}` on rank {rank} of {world}: {whole} values are not {world} blocks of {block}; pass \
+                 world_size() blocks of the per-rank length"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Fails on every rank with a [`DistErrorKind::Mismatch`] unless every rank passes the same
+/// `len` (rank 0's length is broadcast, then the disagreements are counted), so a collective
+/// over a partition the ranks disagree on never starts.
+pub(crate) fn agree_on_len<C: Communicator + ?Sized>(c: &C, op: &str, len: usize) -> Result<()> {
+    let mut root = (len as u64).to_le_bytes().to_vec();
+    c.broadcast_bytes(&mut root, 0)?;
+    let root_len = u64::from_le_bytes(root.as_slice().try_into().unwrap_or([0xFF; 8]));
+    let mut bad = [if root_len == len as u64 { 0.0f32 } else { 1.0 }];
+    c.all_reduce_sum(&mut bad)?;
+    if bad[0] == 0.0 {
+        return Ok(());
+    }
+    Err(AmpError::Distributed {
+        rank: c.rank(),
+        kind: DistErrorKind::Mismatch,
+        detail: format!(
+            "`{op}` with blocks of {len} here and {root_len} on rank 0 ({} rank(s) differ from rank 0): \
+             every rank must pass the same partition; nothing was sent",
+            bad[0] as usize
+        ),
+    })
 }
 
 /// A group of `n` ranks inside one process, one [`LocalComm`] per thread: a test double for
@@ -382,6 +478,41 @@ impl Communicator for LocalComm {
 
     fn barrier(&self) -> Result<()> {
         self.exchange("barrier", Vec::new()).map(|_| ())
+    }
+
+    fn reduce_scatter_sum(&self, send: &[f32], recv: &mut [f32]) -> Result<()> {
+        check_blocks(self.rank, self.size, "reduce_scatter_sum", send.len(), recv.len())?;
+        let all = self.exchange("reduce_scatter_sum", f32_bytes(send))?;
+        // Every rank's length is known here, before any value is combined.
+        check_len(self.rank, "reduce_scatter_sum", &all, send.len() * 4)?;
+        let (a, b) = (self.rank * recv.len() * 4, (self.rank + 1) * recv.len() * 4);
+        // Summed in rank order from zero, as `all_reduce_sum` does: the same bits.
+        recv.fill(0.0);
+        for (_, bytes) in all.iter() {
+            for (d, x) in recv.iter_mut().zip(f32_from(&bytes[a..b])) {
+                *d += x;
+            }
+        }
+        Ok(())
+    }
+
+    fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8]) -> Result<()> {
+        check_blocks(self.rank, self.size, "all_gather_bytes", recv.len(), send.len())?;
+        let all = self.exchange("all_gather_bytes", send.to_vec())?;
+        if let Some((r, (_, b))) = all.iter().enumerate().find(|(_, (_, b))| b.len() != send.len()) {
+            return Err(self.fail(
+                DistErrorKind::Mismatch,
+                format!(
+                    "`all_gather_bytes` with {} bytes here but {} on rank {r}: every rank must pass the same length",
+                    send.len(),
+                    b.len()
+                ),
+            ));
+        }
+        for (r, (_, b)) in all.iter().enumerate() {
+            recv[r * send.len()..(r + 1) * send.len()].copy_from_slice(b);
+        }
+        Ok(())
     }
 }
 

@@ -308,3 +308,42 @@ fn the_sampler_shards_like_pytorch() {
     assert_ne!(at(0), at(1));
     assert!(DistributedSampler::new(10, 2, 2).is_err());
 }
+
+#[test]
+fn the_rank_that_finishes_first_waits_and_the_wait_is_reported_apart_from_the_transfer() {
+    let out = on_ranks(2, Duration::from_secs(60), |c| {
+        let amp = amp::Amp::new(AmpConfig::new(OptLevel::O0), &Device::Cpu).unwrap();
+        let model = amp.model(|vb| linear(6, 2, vb.pp("a"))).unwrap();
+        let mut opt = amp.optimizer(Sgd::new(SgdConfig::new(0.1)).unwrap()).unwrap();
+        let ddp = DataParallel::new(&amp, c.clone(), Default::default()).unwrap();
+        let (x, y) = data().swap_remove(0);
+        for _ in 0..3 {
+            let loss = amp::ops::mse(&model.forward(&x).unwrap(), &y).unwrap();
+            amp.scale_loss(&loss, &mut opt).unwrap().backward().unwrap();
+            // Both ranks leave the barrier together; rank 1 then stands for a slower backward.
+            c.barrier().unwrap();
+            if c.rank() == 1 {
+                std::thread::sleep(Duration::from_millis(150));
+            }
+            opt.step().unwrap();
+            opt.zero_grad();
+        }
+        (
+            ddp.comm_wait_ms(),
+            ddp.comm_transfer_ms(),
+            ddp.comm_ms(),
+            ddp.collectives(),
+            ddp.reductions(),
+        )
+    });
+    let (wait0, transfer0, total0, calls, steps) = out[0];
+    let (wait1, ..) = out[1];
+    assert_eq!(steps, 3);
+    // Per step: the flags, then one bucket of gradients (well under 25 MiB).
+    assert_eq!(calls, 3 * 2);
+    // Rank 0 reaches the step's first collective at once and waits there for rank 1, which
+    // then finds it waiting: the waiting is rank 0's, in the first collective.
+    assert!(wait0 >= 100.0, "rank 0 waited {wait0} ms");
+    assert!(wait1 < wait0, "rank 1 waited {wait1} ms, rank 0 {wait0} ms");
+    assert!(transfer0 > 0.0 && total0 >= wait0, "{transfer0} {total0} {wait0}");
+}

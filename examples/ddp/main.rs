@@ -13,8 +13,10 @@
 //! `--bucket-kb` the gradient bucket size (25 MiB, PyTorch's default); `--timeout` how long a
 //! rank waits for the others before failing (300 s).
 //! Rank 0 alone prints the table, progress and JSON lines and writes checkpoints and
-//! reports; the JSON lines carry `world_size`, `global_batch` and `comm_ms` (the median time
-//! per step of the gradient all-reduce) beside the `train` example's keys. A checkpoint
+//! reports; the JSON lines carry `world_size`, `global_batch`, `comm_ms` (the median time
+//! per step of the gradient all-reduce), and its two parts `comm_wait_ms` (waiting in the
+//! step's first collective for the slowest rank's backward) and `comm_transfer_ms` (the
+//! gradient buckets after it) beside the `train` example's keys. A checkpoint
 //! written on one number of ranks resumes on any other.
 
 #[path = "../train/cli.rs"]
@@ -165,6 +167,8 @@ struct RunResult {
     final_scale: f32,
     step_ms: f64,
     comm_ms: f64,
+    comm_wait_ms: f64,
+    comm_transfer_ms: f64,
     autocast_ops: usize,
     progress: Progress,
 }
@@ -350,6 +354,8 @@ fn train_one(comm: &Arc<dyn Communicator>, d: &Data, level: amp::OptLevel, a: &A
         final_scale: amp.loss_scale(0)?,
         step_ms: times.get(times.len() / 2).copied().unwrap_or(f64::NAN),
         comm_ms: ddp.comm_ms(),
+        comm_wait_ms: ddp.comm_wait_ms(),
+        comm_transfer_ms: ddp.comm_transfer_ms(),
         autocast_ops: amp.autocast_ops(),
         progress,
     })
@@ -401,7 +407,7 @@ fn main() -> Result<()> {
     let d = agree(&comm, "preparing", prepared)?;
 
     let mut table = format!(
-        "{:<6} {:<5} {:<6} {:>5} {:>10} {:>10} {:>9} {:>8} {:>12} {:>8} {:>8}\n",
+        "{:<6} {:<5} {:<6} {:>5} {:>10} {:>10} {:>9} {:>8} {:>12} {:>8} {:>8} {:>8} {:>8}\n",
         "level",
         "half",
         "params",
@@ -412,7 +418,9 @@ fn main() -> Result<()> {
         "skipped",
         "loss_scale",
         "step_ms",
-        "comm_ms"
+        "comm_ms",
+        "wait_ms",
+        "xfer_ms"
     );
     let mut runs = Vec::new();
     for &level in &a.levels {
@@ -434,6 +442,8 @@ fn main() -> Result<()> {
                 "world_size": world,
                 "global_batch": a.batch.div_ceil(world) * world,
                 "comm_ms": r.comm_ms,
+                "comm_wait_ms": r.comm_wait_ms,
+                "comm_transfer_ms": r.comm_transfer_ms,
             });
             if level == amp::OptLevel::O1 {
                 line["autocast_ops"] = r.autocast_ops.into();
@@ -441,7 +451,7 @@ fn main() -> Result<()> {
             println!("{line}");
         }
         table.push_str(&format!(
-            "{:<6} {:<5} {:<6} {:>5} {:>10.4} {:>10.4} {:>8.2}% {:>8} {:>12} {:>8.3} {:>8.3}\n",
+            "{:<6} {:<5} {:<6} {:>5} {:>10.4} {:>10.4} {:>8.2}% {:>8} {:>12} {:>8.3} {:>8.3} {:>8.3} {:>8.3}\n",
             level.to_string(),
             half_label(level, a.half),
             r.param_dtype.as_str(),
@@ -452,7 +462,9 @@ fn main() -> Result<()> {
             r.skipped,
             r.final_scale,
             r.step_ms,
-            r.comm_ms
+            r.comm_ms,
+            r.comm_wait_ms,
+            r.comm_transfer_ms
         ));
         runs.push((level, r));
     }

@@ -72,4 +72,12 @@ impl Communicator for Counted {
     fn barrier(&self) -> Result<()> {
         self.inner.barrier()
     }
+
+    fn reduce_scatter_sum(&self, send: &[f32], recv: &mut [f32]) -> Result<()> {
+        self.inner.reduce_scatter_sum(send, recv)
+    }
+
+    fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8]) -> Result<()> {
+        self.inner.all_gather_bytes(send, recv)
+    }
 }

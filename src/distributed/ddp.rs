@@ -38,6 +38,11 @@ struct Stats {
     collectives: u64,
     /// Seconds spent in the collectives of each of the last [`TIMINGS`] reductions.
     comm_s: Vec<f64>,
+    /// Of those, seconds in the step's first collective (the flags), where a rank waits for
+    /// the slowest rank to finish its backward.
+    wait_s: Vec<f64>,
+    /// And seconds in the gradient buckets after it: the transfer.
+    transfer_s: Vec<f64>,
 }
 
 /// Data-parallel training of one AMP run across the ranks of a [`Communicator`].
@@ -104,6 +109,29 @@ pub struct DataParallel {
     /// The run, to take its device path and count its host reads (weak: the run holds this
     /// reducer).
     run: std::sync::Weak<crate::train::run::RunState>,
+}
+
+/// A step's flags as the ranks sum them: 1 for each parameter that had a gradient here, 1
+/// for each overflow flag set, then the parameter count (the sum checks that every rank
+/// stepped over the same parameters).
+fn step_meta(params: &[(String, Vec<usize>)], grads: &BTreeMap<String, Tensor>, found_inf: &[bool]) -> Vec<f32> {
+    let mut meta: Vec<f32> = params
+        .iter()
+        .map(|(name, _)| if grads.contains_key(name) { 1.0f32 } else { 0.0 })
+        .collect();
+    meta.extend(found_inf.iter().map(|&b| if b { 1.0f32 } else { 0.0 }));
+    meta.push(params.len() as f32);
+    meta
+}
+
+/// The median of `v` (seconds) in milliseconds; 0 for none.
+fn median_ms(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2] * 1e3
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -196,21 +224,35 @@ impl DataParallel {
         lock(&self.stats).reductions
     }
 
-    /// Collective calls made for them (one per bucket).
+    /// Collective calls made for them: per step, one per gradient bucket, and on the host
+    /// path one more before them for the flags (see [`comm_wait_ms`](Self::comm_wait_ms)).
     pub fn collectives(&self) -> u64 {
         lock(&self.stats).collectives
     }
 
     /// The median time, in milliseconds, of the gradient collectives of one step over the
-    /// last 1024 steps (0 before the first).
+    /// last 1024 steps (0 before the first): [`comm_wait_ms`](Self::comm_wait_ms) and
+    /// [`comm_transfer_ms`](Self::comm_transfer_ms) together.
     pub fn comm_ms(&self) -> f64 {
-        let st = lock(&self.stats);
-        if st.comm_s.is_empty() {
-            return 0.0;
-        }
-        let mut v = st.comm_s.clone();
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2] * 1e3
+        median_ms(&lock(&self.stats).comm_s)
+    }
+
+    /// The median time, in milliseconds, a step's reduction waited for the other ranks (over
+    /// the last 1024 steps; 0 before the first). On the host path the reduction starts with
+    /// one small collective (which parameters had gradients, the overflow flags, the layout
+    /// check): it returns when the slowest rank has finished its backward and called it, so
+    /// its time is the waiting, and a rank whose backward is slower than the others' shows
+    /// about 0 here while they show the difference. On the device path the collectives are
+    /// enqueued on the device without waiting, so this is 0 and the whole time is in
+    /// [`comm_transfer_ms`](Self::comm_transfer_ms).
+    pub fn comm_wait_ms(&self) -> f64 {
+        median_ms(&lock(&self.stats).wait_s)
+    }
+
+    /// The median time, in milliseconds, of a step's gradient buckets after that first
+    /// collective: the transfer itself (over the last 1024 steps; 0 before the first).
+    pub fn comm_transfer_ms(&self) -> f64 {
+        median_ms(&lock(&self.stats).transfer_s)
     }
 
     fn err(&self, kind: DistErrorKind, detail: String) -> AmpError {
@@ -304,9 +346,9 @@ impl DataParallel {
 
 impl StepReducer for DataParallel {
     fn reduce_step(&self, step: StepGrads<'_>) -> Result<()> {
-        // One flat f32 vector: every parameter's gradient (zeros where this rank has none),
-        // then whether each had one, then the overflow flags and the parameter count (which
-        // also checks that the ranks agree on the layout).
+        // Two sums: first a small one (whether each parameter had a gradient, the overflow
+        // flags, the parameter count, which checks that the ranks agree on the layout), then
+        // every parameter's gradient (zeros where this rank has none) in buckets.
         let StepGrads {
             params,
             grads,
@@ -320,12 +362,12 @@ impl StepReducer for DataParallel {
             let (out, calls, comm_s) = self.reduce_on_device(&run, params, grads, found_inf, nonfinite)?;
             *checked = true;
             *grads = out;
-            self.record(calls, comm_s);
+            self.record(calls, 0.0, comm_s);
             return Ok(());
         }
         let sizes: Vec<usize> = params.iter().map(|(_, d)| d.iter().product()).collect();
         let n: usize = sizes.iter().sum();
-        let mut flat = Vec::with_capacity(n + params.len() + found_inf.len() + 1);
+        let mut flat = Vec::with_capacity(n);
         let mut device = None;
         let world = self.comm.world_size() as f32;
         for ((name, _), &len) in params.iter().zip(&sizes) {
@@ -341,23 +383,16 @@ impl StepReducer for DataParallel {
                 None => flat.resize(flat.len() + len, 0.0),
             }
         }
-        flat.extend(
-            params
-                .iter()
-                .map(|(name, _)| if grads.contains_key(name) { 1.0f32 } else { 0.0 }),
-        );
-        flat.extend(found_inf.iter().map(|&b| if b { 1.0f32 } else { 0.0 }));
-        flat.push(params.len() as f32);
+        let mut meta = step_meta(&params, grads, found_inf);
         let check = params.len() as f32;
 
+        // The first collective returns once the slowest rank has called it: the waiting.
         let t0 = Instant::now();
-        let per = (self.config.bucket_bytes / 4).max(1);
-        let mut buckets: Vec<&mut [f32]> = flat.chunks_mut(per).collect();
-        let calls = buckets.len() as u64;
-        self.comm.all_reduce_sum_buckets(&mut buckets)?;
-        let comm_s = t0.elapsed().as_secs_f64();
-
-        if *flat.last().expect("non-empty") != check * world {
+        self.comm.all_reduce_sum(&mut meta)?;
+        let wait_s = t0.elapsed().as_secs_f64();
+        // The layout is checked before any gradient moves: ranks that disagree would
+        // otherwise pair up buckets of different lengths.
+        if *meta.last().expect("non-empty") != check * world {
             return Err(self.err(
                 DistErrorKind::Mismatch,
                 "the ranks stepped optimizers over different parameters (the same optimizers, over the same \
@@ -365,8 +400,15 @@ impl StepReducer for DataParallel {
                     .into(),
             ));
         }
-        let present = &flat[n..n + params.len()];
-        let flags = &flat[n + params.len()..n + params.len() + found_inf.len()];
+        let t1 = Instant::now();
+        let per = (self.config.bucket_bytes / 4).max(1);
+        let mut buckets: Vec<&mut [f32]> = flat.chunks_mut(per).collect();
+        let calls = buckets.len() as u64 + 1;
+        self.comm.all_reduce_sum_buckets(&mut buckets)?;
+        let transfer_s = t1.elapsed().as_secs_f64();
+
+        let present = &meta[..params.len()];
+        let flags = &meta[params.len()..params.len() + found_inf.len()];
         let device = device.unwrap_or(candle_core::Device::Cpu);
         let mut out = BTreeMap::new();
         let mut at = 0;
@@ -386,20 +428,27 @@ impl StepReducer for DataParallel {
         }
         *checked = true;
         *grads = out;
-        self.record(calls, comm_s);
+        self.record(calls, wait_s, transfer_s);
         Ok(())
     }
 }
 
 impl DataParallel {
-    fn record(&self, calls: u64, comm_s: f64) {
+    fn record(&self, calls: u64, wait_s: f64, transfer_s: f64) {
         let mut st = lock(&self.stats);
         st.reductions += 1;
         st.collectives += calls;
-        if st.comm_s.len() == TIMINGS {
-            st.comm_s.remove(0);
+        let st = &mut *st;
+        for (v, x) in [
+            (&mut st.comm_s, wait_s + transfer_s),
+            (&mut st.wait_s, wait_s),
+            (&mut st.transfer_s, transfer_s),
+        ] {
+            if v.len() == TIMINGS {
+                v.remove(0);
+            }
+            v.push(x);
         }
-        st.comm_s.push(comm_s);
     }
 
     /// The step reduction on the device path: the same layout as the host path's flat
@@ -431,12 +480,7 @@ impl DataParallel {
                 None => Tensor::zeros(len, DType::F32, &dev)?,
             });
         }
-        let mut meta: Vec<f32> = params
-            .iter()
-            .map(|(name, _)| if grads.contains_key(name) { 1.0f32 } else { 0.0 })
-            .collect();
-        meta.extend(found_inf.iter().map(|&b| if b { 1.0f32 } else { 0.0 }));
-        meta.push(params.len() as f32);
+        let meta = step_meta(&params, grads, found_inf);
         let m = meta.len();
         parts.push(Tensor::from_vec(meta, m, &dev)?);
         let flat = Tensor::cat(&parts, 0)?;

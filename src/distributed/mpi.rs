@@ -17,7 +17,7 @@ use mpi::collective::{CommunicatorCollectives, Root, SystemOperation};
 use mpi::request::{Request, StaticScope};
 use mpi::topology::{Communicator as _, SimpleCommunicator};
 
-use crate::comm::{Communicator, DEFAULT_TIMEOUT, check_root};
+use crate::comm::{Communicator, DEFAULT_TIMEOUT, agree_on_len, check_blocks, check_root};
 use crate::error::{AmpError, DistErrorKind, Result};
 
 /// A rank of an MPI job (`MPI_COMM_WORLD`). Make one per process, at the start of `main`;
@@ -145,6 +145,30 @@ impl MpiComm {
         }
     }
 
+    /// One non-blocking collective from `send` into `recv`, started by `start` on leaked
+    /// copies of both (MPI may still use them after a timeout), waited for at most the
+    /// timeout.
+    fn one_collective<T: Copy + Default + 'static>(
+        &self,
+        op: &str,
+        send: &[T],
+        recv: &mut [T],
+        start: impl FnOnce(&SimpleCommunicator, &'static [T], &'static mut [T]) -> Request<'static, [T], StaticScope>,
+    ) -> Result<()> {
+        let world = self.world();
+        let s = Leaked::new(send.to_vec());
+        let r = Leaked::new(vec![T::default(); recv.len()]);
+        let req = start(&world, &*s.view(), r.view());
+        if let Err(e) = self.wait_all(op, vec![req]) {
+            s.leak();
+            r.leak();
+            return Err(e);
+        }
+        recv.copy_from_slice(&r.take());
+        drop(s.take());
+        Ok(())
+    }
+
     fn world(&self) -> std::sync::MutexGuard<'_, SimpleCommunicator> {
         self.world.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -265,5 +289,28 @@ impl Communicator for MpiComm {
         let world = self.world();
         let req = world.immediate_barrier();
         self.wait_all("barrier", vec![req])
+    }
+
+    fn reduce_scatter_sum(&self, send: &[f32], recv: &mut [f32]) -> Result<()> {
+        check_blocks(self.rank, self.size, "reduce_scatter_sum", send.len(), recv.len())?;
+        // MPI cannot tell ranks with different counts apart (it would hang or mix data).
+        agree_on_len(self, "reduce_scatter_sum", recv.len())?;
+        if recv.is_empty() {
+            return Ok(());
+        }
+        self.one_collective("reduce_scatter_sum", send, recv, |world, s, r| {
+            world.immediate_reduce_scatter_block_into(StaticScope, s, r, SystemOperation::sum())
+        })
+    }
+
+    fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8]) -> Result<()> {
+        check_blocks(self.rank, self.size, "all_gather_bytes", recv.len(), send.len())?;
+        agree_on_len(self, "all_gather_bytes", send.len())?;
+        if send.is_empty() {
+            return Ok(());
+        }
+        self.one_collective("all_gather_bytes", send, recv, |world, s, r| {
+            world.immediate_all_gather_into(StaticScope, s, r)
+        })
     }
 }

@@ -21,7 +21,7 @@ use candle_core::cuda_backend::cudarc::driver::CudaStream;
 use candle_core::cuda_backend::cudarc::nccl::{Comm, Id, ReduceOp};
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, Device, Layout, Shape, Tensor};
 
-use crate::comm::{Communicator, check_root, check_sum_tensor};
+use crate::comm::{Communicator, agree_on_len, check_blocks, check_root, check_sum_tensor};
 use crate::error::{AmpError, DistErrorKind, Result};
 
 /// The NCCL unique id every rank must share (rank 0 makes it, then sends its bytes to the
@@ -273,5 +273,53 @@ impl Communicator for NcclComm {
 
     fn barrier(&self) -> Result<()> {
         self.all_reduce_sum(&mut [0.0])
+    }
+
+    /// Staged through the device (`ncclReduceScatter` reads device memory only).
+    fn reduce_scatter_sum(&self, send: &[f32], recv: &mut [f32]) -> Result<()> {
+        check_blocks(self.rank, self.size, "reduce_scatter_sum", send.len(), recv.len())?;
+        agree_on_len(self, "reduce_scatter_sum", recv.len())?;
+        if recv.is_empty() {
+            return Ok(());
+        }
+        let src = self
+            .stream
+            .clone_htod(send)
+            .map_err(|e| self.err("copy to device", e))?;
+        let mut dst = self
+            .stream
+            .alloc_zeros::<f32>(recv.len())
+            .map_err(|e| self.err("device allocation", e))?;
+        self.comm()
+            .reduce_scatter(&src, &mut dst, &ReduceOp::Sum)
+            .map_err(|e| self.err("ncclReduceScatter", e))?;
+        self.stream
+            .memcpy_dtoh(&dst, recv)
+            .map_err(|e| self.err("copy to host", e))?;
+        self.stream.synchronize().map_err(|e| self.err("ncclReduceScatter", e))
+    }
+
+    /// Staged through the device (`ncclAllGather` reads device memory only).
+    fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8]) -> Result<()> {
+        check_blocks(self.rank, self.size, "all_gather_bytes", recv.len(), send.len())?;
+        agree_on_len(self, "all_gather_bytes", send.len())?;
+        if send.is_empty() {
+            return Ok(());
+        }
+        let src = self
+            .stream
+            .clone_htod(send)
+            .map_err(|e| self.err("copy to device", e))?;
+        let mut dst = self
+            .stream
+            .alloc_zeros::<u8>(recv.len())
+            .map_err(|e| self.err("device allocation", e))?;
+        self.comm()
+            .all_gather(&src, &mut dst)
+            .map_err(|e| self.err("ncclAllGather", e))?;
+        self.stream
+            .memcpy_dtoh(&dst, recv)
+            .map_err(|e| self.err("copy to host", e))?;
+        self.stream.synchronize().map_err(|e| self.err("ncclAllGather", e))
     }
 }
