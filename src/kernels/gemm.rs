@@ -38,13 +38,14 @@ fn threads() -> usize {
     rayon::current_num_threads()
 }
 
-/// Tiny products: a direct loop over f32 copies (the inner loop vectorises).
-fn small<T: Elem + Vx>(
+/// Tiny products: a direct loop over f32 copies (the inner loop vectorises). The operands
+/// may differ in type ([`gemm_wide_lhs`] passes an f32 left one).
+fn small<A: Elem + Vx, B: Elem + Vx>(
     m: usize,
     n: usize,
     k: usize,
-    a_view: Mat<'_, T>,
-    b_view: Mat<'_, T>,
+    a_view: Mat<'_, A>,
+    b_view: Mat<'_, B>,
     c: &mut [f32],
     ldc: usize,
     acc: bool,
@@ -181,14 +182,22 @@ fn dense_strides<T>(v: &Mat<'_, T>, rows: usize, cols: usize) -> (usize, usize) 
 }
 
 /// Widens a view into `buf` and returns the f32 view with the same layout (dense blocks are
-/// converted as one slice at memory speed; other views are gathered row-major).
+/// converted as one slice at memory speed; other views are gathered row-major). A dense f32
+/// view that is not flushed is already what the product takes: its span, not copied.
 fn widen<'b, T: Elem + Vx>(
-    v: &Mat<'_, T>,
+    v: &Mat<'b, T>,
     rows: usize,
     cols: usize,
     buf: &'b mut Vec<f32>,
     flush: bool,
 ) -> Mat<'b, f32> {
+    if !flush
+        && let Some((lo, hi)) = dense_span(v, rows, cols)
+        && let Some(data) = super::simd::retyped::<T, f32>(&v.data[lo..hi])
+    {
+        let (rs, cs) = dense_strides(v, rows, cols);
+        return Mat { data, off: 0, rs, cs };
+    }
     // Grown, never cleared: every value used is overwritten below, so no zero-fill pass.
     if buf.len() < rows * cols {
         buf.resize(rows * cols, 0.0);
@@ -221,12 +230,12 @@ fn widen<'b, T: Elem + Vx>(
 /// instructions make them: the AVX-512 BF16 tier's product where `vdpbf16ps` is the slower
 /// path (see [`super::bf16_gemm::dot_products_pay`]), so the tier's results do not depend on
 /// which path it takes.
-fn widened<T: Elem + Vx>(
+fn widened<A: Elem + Vx, B: Elem + Vx>(
     m: usize,
     n: usize,
     k: usize,
-    a: Mat<'_, T>,
-    b: Mat<'_, T>,
+    a: Mat<'_, A>,
+    b: Mat<'_, B>,
     c: &mut [f32],
     ldc: usize,
     acc: bool,
@@ -281,47 +290,9 @@ pub(crate) fn gemm_wide_lhs<T: Elem + Vx>(
     acc: bool,
 ) {
     if is_small(m, n, k) {
-        // As `small`: row-major copies of both, the direct loop.
-        if m == 0 || n == 0 || k == 0 {
-            if !acc {
-                for i in 0..m {
-                    c[i * ldc..i * ldc + n].fill(0.0);
-                }
-            }
-            return;
-        }
-        // Tiny (m*n*k <= SMALL): fresh copies cost nothing here.
-        let mut ab = vec![0f32; m * k];
-        let mut bb = vec![0f32; k * n];
-        a.widen_into(m, k, &mut ab);
-        b.widen_into(k, n, &mut bb);
-        return small_f32(m, n, k, &ab, &bb, c, ldc, acc);
+        return small(m, n, k, a, b, c, ldc, acc);
     }
-    let mut run = |sa: &mut Vec<f32>, sb: &mut Vec<f32>| {
-        // `a` as `widen` would have made it: a dense view's span with its strides (no copy),
-        // anything else gathered row-major.
-        let av = match dense_span(&a, m, k) {
-            Some((lo, hi)) => {
-                let (rs, cs) = dense_strides(&a, m, k);
-                Mat {
-                    data: &a.data[lo..hi],
-                    off: 0,
-                    rs,
-                    cs,
-                }
-            }
-            None => widen(&a, m, k, sa, false),
-        };
-        let bv = widen(&b, k, n, sb, false);
-        gemm_f32(m, n, k, av, bv, c, ldc, acc);
-    };
-    SCRATCH.with(|s| match s.try_borrow_mut() {
-        Ok(mut s) => {
-            let (sa, sb) = &mut *s;
-            run(sa, sb)
-        }
-        Err(_) => run(&mut Vec::new(), &mut Vec::new()),
-    })
+    widened(m, n, k, a, b, c, ldc, acc, false)
 }
 
 /// Subnormal values set to zero of the same sign, compiled per tier.
