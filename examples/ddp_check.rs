@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Result, bail};
-use candle_amp::distributed::{Communicator, MpiComm};
+use candle_amp::distributed::{Communicator, MpiComm, Sharding};
 use candle_amp::{HalfType, OptLevel};
 use dist_scenarios::*;
 
@@ -159,6 +159,7 @@ fn main() -> Result<()> {
         }
     }
     failures += collectives(&*comm, rank, world)?;
+    failures += sharded(&comm, rank, world)?;
     // A rank that stops answering: the others fail with a timeout instead of hanging. Rank
     // 1+ arrive 3 s late at a barrier rank 0 waits for 1 s; then everyone meets again.
     mpi.set_timeout(Duration::from_secs(1));
@@ -194,6 +195,89 @@ fn main() -> Result<()> {
         println!("ddp_check: all {} scenarios passed on {world} ranks", scenarios.len());
     }
     Ok(())
+}
+
+/// ZeRO stages 1 and 2 across real processes: each sharded run ends with the unsharded
+/// run's working weights bit for bit on every rank, and each parameter's f32 master on its
+/// owner equal to the unsharded run's. Returns the number of failed scenarios.
+fn sharded(comm: &Arc<dyn Communicator>, rank: usize, world: usize) -> Result<usize> {
+    let adamw_clipped = Extras {
+        adamw: true,
+        clip: Some(0.05),
+        ..Default::default()
+    };
+    let cases = [
+        (
+            "O2 f16, AdamW, clipped",
+            OptLevel::O2,
+            HalfType::F16,
+            Api::Guard,
+            adamw_clipped,
+        ),
+        (
+            "O3 bf16, SGD",
+            OptLevel::O3,
+            HalfType::Bf16,
+            Api::Guard,
+            Extras::default(),
+        ),
+        (
+            "O1 f16, GradScaler, 2 micro-batches, AdamW, clipped",
+            OptLevel::O1,
+            HalfType::F16,
+            Api::ScalerAccumulating,
+            adamw_clipped,
+        ),
+    ];
+    let mut failures = 0;
+    for (name, level, half, api, extras) in cases {
+        let plain = train_with(Some(comm.clone()), world, level, half, api, false, false, extras);
+        for stage in [Sharding::Stage1, Sharding::Stage2] {
+            let run = train_with(
+                Some(comm.clone()),
+                world,
+                level,
+                half,
+                api,
+                false,
+                false,
+                Extras {
+                    sharding: stage,
+                    ..extras
+                },
+            );
+            let mut problems = Vec::new();
+            if run.working != plain.working {
+                problems.push("working weights differ from the unsharded run's".to_string());
+            }
+            for (n, bits) in &run.state {
+                let want = &plain.state.iter().find(|(m, _)| m == n).expect("same names").1;
+                if run.owned.contains(n) && bits != want {
+                    problems.push(format!(
+                        "`{n}`'s f32 value on its owner differs from the unsharded run's"
+                    ));
+                }
+            }
+            if run.skipped != plain.skipped || run.norms != plain.norms {
+                problems.push("skipped steps or clipping norms differ from the unsharded run's".into());
+            }
+            let mut bad = [problems.len() as f32];
+            comm.all_reduce_sum(&mut bad)?;
+            for p in &problems {
+                eprintln!("rank {rank}: {stage} {name}: {p}");
+            }
+            if bad[0] > 0.0 {
+                failures += 1;
+            } else if rank == 0 {
+                eprintln!(
+                    "{stage} {name}: {world} ranks step bit for bit like the unsharded run; rank 0 owns {} of {} tensors",
+                    run.owned.len(),
+                    run.state.len()
+                );
+            }
+        }
+    }
+    Ok(failures)
 }
 
 /// Reduce-scatter and all-gather across real processes: each rank's block of the sum is the

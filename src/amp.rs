@@ -199,8 +199,10 @@ impl Amp {
     }
 
     /// The run's state: properties, loss scalers, generators and f32 weights. Optimizer state
-    /// is separate ([`AmpOptimizer::state_dict`]).
+    /// is separate ([`AmpOptimizer::state_dict`]). Refused on a rank of a ZeRO-sharded run
+    /// ([`crate::error::DistErrorKind::Sharded`]), which holds its shard's masters only.
     pub fn state_dict(&self) -> Result<AmpState> {
+        self.run.check_whole_state("Amp::state_dict")?;
         let mut state = self.state_dict_without_weights();
         state.weights = self
             .run

@@ -167,6 +167,9 @@ pub enum DistErrorKind {
     Backend,
     /// The program was not started by a launcher (`mpirun`).
     NotLaunched,
+    /// The call needs the whole f32 master weights or optimizer state, which a rank of a
+    /// ZeRO-sharded run holds only a shard of.
+    Sharded,
 }
 
 impl std::fmt::Display for DistErrorKind {
@@ -176,6 +179,7 @@ impl std::fmt::Display for DistErrorKind {
             DistErrorKind::Timeout => "timed out",
             DistErrorKind::Backend => "backend error",
             DistErrorKind::NotLaunched => "not launched",
+            DistErrorKind::Sharded => "state is sharded",
         })
     }
 }

@@ -93,7 +93,8 @@ impl CheckpointDir {
     /// moved aside and the save commits afresh: a save on a writable directory succeeds). Its number is above that of every version the directory holds or
     /// held in view (damaged, quarantined and leftovers included). Tensors are streamed from the run into the files one at a time, and the
     /// optimizers' own f32 buffers (moments) are written straight from where they live: no
-    /// copy of the state is made. Returns the version's directory.
+    /// copy of the state is made. Returns the version's directory. Refused on a rank of a
+    /// ZeRO-sharded run ([`crate::error::DistErrorKind::Sharded`]), before anything is written.
     pub fn save(
         &self,
         amp: &Amp,
@@ -101,6 +102,7 @@ impl CheckpointDir {
         step: u64,
         extra: serde_json::Value,
     ) -> Result<PathBuf> {
+        amp.run().check_whole_state("CheckpointDir::save")?;
         let mut weights = Vec::new();
         for p in amp.store().params() {
             weights.push((p.name().to_string(), Source::Tensor(p.f32_value()?.detach())));

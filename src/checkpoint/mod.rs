@@ -200,7 +200,9 @@ impl Checkpoint {
     /// Captures a run in memory: the AMP handle's state and the optimizers' states, in
     /// order. The tensors are copied, so the capture does not change as training goes on
     /// (it costs one copy of the state; [`CheckpointDir::save`] writes a run without one).
+    /// Refused on a rank of a ZeRO-sharded run ([`crate::error::DistErrorKind::Sharded`]).
     pub fn capture(amp: &Amp, optimizers: &[&AmpOptimizer], step: u64) -> Result<Self> {
+        amp.run().check_whole_state("Checkpoint::capture")?;
         let extra = serde_json::Value::Null;
         let mut weights = BTreeMap::new();
         for p in amp.store().params() {

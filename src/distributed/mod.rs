@@ -8,7 +8,9 @@
 //! * [`DataParallel`]: checks that every rank runs the same model, copies rank 0's weights
 //!   to every rank, averages the accumulated f32 gradients once per optimizer step in
 //!   buckets, combines overflow flags so every rank skips the same steps, and switches
-//!   synchronised batch norm on;
+//!   synchronised batch norm on; with [`Sharding`] each rank keeps and steps a shard of the
+//!   f32 master weights and optimizer state (ZeRO stage 1, and stage 2 which also
+//!   reduce-scatters the gradients);
 //! * [`DistributedSampler`]: disjoint per-rank shards, reshuffled per epoch from a shared
 //!   seed.
 //!
@@ -22,6 +24,7 @@ mod mpi;
 #[cfg(feature = "nccl")]
 mod nccl;
 mod sampler;
+mod zero;
 
 pub use crate::comm::{Communicator, DEFAULT_TIMEOUT, LocalComm, LocalGroup};
 pub use crate::train::reduce::{StepGrads, StepReducer};
@@ -31,3 +34,4 @@ pub use mpi::MpiComm;
 #[cfg(feature = "nccl")]
 pub use nccl::{NcclComm, NcclId};
 pub use sampler::DistributedSampler;
+pub use zero::Sharding;

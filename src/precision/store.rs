@@ -299,6 +299,16 @@ impl ParamStore {
         n
     }
 
+    /// Frees a parameter's f32 master: a rank of a ZeRO-sharded run keeps the masters of its
+    /// own shard only, and receives the other parameters' working values from their owners.
+    /// The parameter then reads as its working value ([`Param::f32_value`]). Returns whether
+    /// there was one.
+    pub(crate) fn drop_master(&self, name: &str) -> bool {
+        let mut g = self.lock();
+        let Some(&i) = g.index.get(name) else { return false };
+        g.params[i].master.take().is_some()
+    }
+
     /// Writes an f32 value into a parameter: into its master, and cast into its working Var.
     /// Autocast's cached casts of the parameter are invalidated
     /// ([`crate::autocast::invalidate`]).

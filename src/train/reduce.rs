@@ -6,6 +6,8 @@ use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 
 use crate::error::Result;
+#[cfg(doc)]
+use crate::error::{AmpError, DistErrorKind};
 
 /// Stage 2 of the backward pipeline: a hook that sees the raw (scaled, working-type)
 /// gradients before they are unscaled. Data-parallel training all-reduces them here. The
@@ -32,6 +34,33 @@ pub trait GradReducer: Send + Sync {
 pub trait StepReducer: Send + Sync {
     /// Reduces `step` in place.
     fn reduce_step(&self, step: StepGrads<'_>) -> Result<()>;
+
+    /// The sum of squares of every reduced gradient of the step, given this process's sum
+    /// over the gradients it holds: `clip_grad_norm` clips with its square root. A reducer
+    /// that leaves each process only a shard of the gradients (ZeRO) combines the processes'
+    /// sums here, so every process clips by the same global norm; called on every process
+    /// in the same order. The default is the local sum.
+    fn total_sum_squares(&self, local: f64) -> Result<f64> {
+        Ok(local)
+    }
+
+    /// Called by the optimizer after it applied a step (not after a skipped one) with the
+    /// parameters of [`StepGrads::params`]: a reducer that left each process only a shard
+    /// of the gradients brings every process's working weights up to date here (ZeRO's
+    /// all-gather). The default does nothing.
+    fn after_step(&self, params: &[(String, Vec<usize>)]) -> Result<()> {
+        let _ = params;
+        Ok(())
+    }
+
+    /// This process's rank when it holds only a shard of the run's f32 master weights and
+    /// optimizer state (ZeRO), else `None` (the default). Calls that need all of it on one
+    /// process (`Amp::state_dict`, checkpoints, `AmpOptimizer::state_dict`,
+    /// `AmpOptimizer::master_params`) are then refused with [`AmpError::Distributed`] of
+    /// kind [`DistErrorKind::Sharded`].
+    fn shard_rank(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// What a [`StepReducer`] gets for one optimizer step.

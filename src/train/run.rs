@@ -147,6 +147,23 @@ impl RunState {
         lock(&self.step_reducer).clone()
     }
 
+    /// Refuses `call` on a rank that holds only a shard of the run's masters and optimizer
+    /// state (ZeRO): what it would return or save would lack the other ranks' shards.
+    pub(crate) fn check_whole_state(&self, call: &str) -> Result<()> {
+        match self.step_reducer().and_then(|r| r.shard_rank()) {
+            None => Ok(()),
+            Some(rank) => Err(crate::error::AmpError::Distributed {
+                rank,
+                kind: crate::error::DistErrorKind::Sharded,
+                detail: format!(
+                    "{call} needs every parameter's f32 master and optimizer state, and this rank of a ZeRO-sharded \
+                     run holds its own shard only; sharded checkpoints are not written yet: train with \
+                     Sharding::None to save checkpoints"
+                ),
+            }),
+        }
+    }
+
     pub(crate) fn set_step_reducer(&self, reducer: Option<Arc<dyn StepReducer>>) {
         *lock(&self.step_reducer) = reducer;
     }

@@ -6,9 +6,9 @@
 
 use std::sync::Arc;
 
-use candle_amp::distributed::{Communicator, DataParallel, DataParallelConfig};
+use candle_amp::distributed::{Communicator, DataParallel, DataParallelConfig, Sharding};
 use candle_amp::nn::{BatchNorm, Linear, batch_norm, linear};
-use candle_amp::optim::{Sgd, SgdConfig};
+use candle_amp::optim::{AdamW, AdamWConfig, Sgd, SgdConfig};
 use candle_amp::{self as amp, AmpConfig, GradScaler, HalfType, LossScaleSpec, OptLevel};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{ModuleT, VarBuilder};
@@ -98,9 +98,23 @@ pub enum Api {
     ScalerAccumulating,
 }
 
+/// What else a run does: ZeRO sharding, AdamW instead of SGD, clipping to a norm.
+#[derive(Clone, Copy, PartialEq, Default)]
+pub struct Extras {
+    pub sharding: Sharding,
+    pub adamw: bool,
+    pub clip: Option<f64>,
+}
+
 pub struct Run {
     /// Every store tensor (parameters and buffers) as f32 bits, by name order.
     pub state: Vec<(String, Vec<u32>)>,
+    /// Every store tensor's working value (the model's own, half at O2 and O3) as f32 bits.
+    pub working: Vec<(String, Vec<u32>)>,
+    /// The parameters this rank keeps a master of and steps (every one unless sharded).
+    pub owned: Vec<String>,
+    /// The norms `clip_grad_norm` returned, as bits.
+    pub norms: Vec<u32>,
     pub skipped: u64,
     pub reductions: u64,
     pub collectives: u64,
@@ -118,6 +132,30 @@ pub fn train(
     with_bn: bool,
     extra_on_rank0: bool,
 ) -> Run {
+    train_with(
+        comm,
+        ref_world,
+        level,
+        half,
+        api,
+        with_bn,
+        extra_on_rank0,
+        Extras::default(),
+    )
+}
+
+/// [`train`] with [`Extras`].
+#[allow(clippy::too_many_arguments)]
+pub fn train_with(
+    comm: Option<Arc<dyn Communicator>>,
+    ref_world: usize,
+    level: OptLevel,
+    half: HalfType,
+    api: Api,
+    with_bn: bool,
+    extra_on_rank0: bool,
+    extras: Extras,
+) -> Run {
     let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank(), c.world_size()));
     // Different seeds per rank: DataParallel::new must make the weights equal.
     let cfg = AmpConfig::new(level)
@@ -127,9 +165,21 @@ pub fn train(
         .verbosity(0);
     let amp = amp::Amp::new(cfg, &Device::Cpu).unwrap();
     let model = amp.model(|vb| Net::new(vb, with_bn)).unwrap();
-    let mut opt = amp.optimizer(Sgd::new(SgdConfig::new(0.05)).unwrap()).unwrap();
+    let mut opt = if extras.adamw {
+        amp.optimizer(
+            AdamW::new(AdamWConfig {
+                lr: 0.01,
+                ..Default::default()
+            })
+            .unwrap(),
+        )
+    } else {
+        amp.optimizer(Sgd::new(SgdConfig::new(0.05)).unwrap())
+    }
+    .unwrap();
+    let mut norms = Vec::new();
     let ddp = comm.map(|c| {
-        let d = DataParallel::new(&amp, c, DataParallelConfig { bucket_bytes: 256 }).unwrap();
+        let d = DataParallel::sharded(&amp, c, DataParallelConfig { bucket_bytes: 256 }, extras.sharding).unwrap();
         if with_bn {
             d.sync_batch_norm(&amp, true);
         }
@@ -171,6 +221,9 @@ pub fn train(
         match api {
             Api::Guard => {
                 amp.scale_loss(&losses(&x, &y), &mut opt).unwrap().backward().unwrap();
+                if let Some(max) = extras.clip {
+                    norms.push(opt.clip_grad_norm(max).unwrap().to_bits());
+                }
                 opt.step().unwrap();
             }
             Api::ScalerAccumulating => {
@@ -183,14 +236,32 @@ pub fn train(
                 let g0 = micro(&scaler, 0);
                 scaler.accumulate(&mut opt, &g0).unwrap();
                 let g1 = micro(&scaler, 1);
+                if let Some(max) = extras.clip {
+                    scaler.unscale(&mut opt, &g1).unwrap();
+                    norms.push(opt.clip_grad_norm(max).unwrap().to_bits());
+                }
                 scaler.step(&mut opt, &g1).unwrap();
                 scaler.update(None).unwrap();
             }
         }
         opt.zero_grad();
     }
+    let owned = amp
+        .store()
+        .params()
+        .iter()
+        .map(|p| p.name().to_string())
+        .filter(|n| {
+            ddp.as_ref()
+                .and_then(|d| d.owner_of(n))
+                .is_none_or(|r| Some(r) == ddp.as_ref().map(|d| d.rank()))
+        })
+        .collect();
     Run {
         state: state_of(&amp),
+        working: working_of(&amp),
+        owned,
+        norms,
         skipped: opt.skipped_steps(),
         reductions: ddp.as_ref().map_or(0, |d| d.reductions()),
         collectives: ddp.as_ref().map_or(0, |d| d.collectives()),
@@ -205,6 +276,28 @@ pub fn state_of(amp: &amp::Amp) -> Vec<(String, Vec<u32>)> {
         .iter()
         .map(|p| {
             let v = p.f32_value().unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            (p.name().to_string(), v.into_iter().map(f32::to_bits).collect())
+        })
+        .collect();
+    state.sort();
+    state
+}
+
+/// Every store tensor's working value as f32 bits, by name.
+pub fn working_of(amp: &amp::Amp) -> Vec<(String, Vec<u32>)> {
+    let mut state: Vec<(String, Vec<u32>)> = amp
+        .store()
+        .params()
+        .iter()
+        .map(|p| {
+            let v = p
+                .working()
+                .to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
             (p.name().to_string(), v.into_iter().map(f32::to_bits).collect())
         })
         .collect();

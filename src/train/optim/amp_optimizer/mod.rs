@@ -389,7 +389,10 @@ impl AmpOptimizer {
     /// The f32 values of this optimizer's parameters (the masters at O2), by name. Where a
     /// parameter has an f32 Var these are the live values, which steps write in place
     /// (PyTorch's `master_params` are the parameters themselves): `copy()` one to keep it.
+    /// Refused on a rank of a ZeRO-sharded run ([`crate::error::DistErrorKind::Sharded`]),
+    /// which keeps the masters of its own shard only.
     pub fn master_params(&self) -> Result<BTreeMap<String, Tensor>> {
+        self.run.check_whole_state("AmpOptimizer::master_params")?;
         self.owned()
             .into_iter()
             .map(|(_, p)| Ok((p.name().to_string(), p.f32_value()?)))

@@ -8,8 +8,10 @@ use crate::train::optim::OptimizerState;
 
 impl AmpOptimizer {
     /// The optimizer's state: algorithm state, groups' hyper-parameters, counters. A
-    /// snapshot: later steps do not change it.
+    /// snapshot: later steps do not change it. Refused on a rank of a ZeRO-sharded run
+    /// ([`crate::error::DistErrorKind::Sharded`]), which holds its shard's state only.
     pub fn state_dict(&self) -> Result<AmpOptimizerState> {
+        self.run.check_whole_state("AmpOptimizer::state_dict")?;
         self.state_with(self.algo.state_dict()?)
     }
 

@@ -14,10 +14,16 @@ impl AmpOptimizer {
         if skip {
             self.skipped += 1;
         } else {
-            if self.stage == Stage::HasGrads {
+            let applied = self.stage == Stage::HasGrads;
+            if applied {
                 self.apply()?;
             }
             self.steps += 1;
+            self.clear_grads();
+            if applied {
+                self.after_step()?;
+            }
+            return Ok(());
         }
         self.clear_grads();
         Ok(())
@@ -158,6 +164,10 @@ impl AmpOptimizer {
             // In f64: squares of large finite f32 gradients would overflow f32.
             total += g.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
         }
+        // A sharded run holds its shard's gradients only: the norm is over every rank's.
+        if let Some(reducer) = self.run.step_reducer() {
+            total = reducer.total_sum_squares(total)?;
+        }
         let norm = total.sqrt();
         if norm.is_finite() {
             let coef = (max_norm / (norm + 1e-6)).min(1.0);
@@ -250,6 +260,9 @@ impl AmpOptimizer {
         if !overflow {
             self.steps += 1;
             self.consecutive_skips = 0;
+            // The step is taken (and counted) here; a failure to share it with the other
+            // ranks below is an error of the group (the other ranks get it too).
+            self.after_step()?;
             return Ok(StepOutcome::Stepped { loss_scale: scale });
         }
         self.skipped = self.skipped.saturating_add(1);
@@ -271,6 +284,21 @@ impl AmpOptimizer {
             loss_scale: scale,
             nonfinite,
         })
+    }
+
+    /// Lets the run's step reducer share an applied step with the other ranks (a sharded
+    /// run all-gathers the updated working weights there).
+    fn after_step(&self) -> Result<()> {
+        let Some(reducer) = self.run.step_reducer() else {
+            return Ok(());
+        };
+        let mut params: Vec<(String, Vec<usize>)> = self
+            .owned()
+            .into_iter()
+            .map(|(_, p)| (p.name().to_string(), p.working().dims().to_vec()))
+            .collect();
+        params.sort();
+        reducer.after_step(&params)
     }
 
     /// Applies the master gradients through the algorithm, all or nothing: the algorithm

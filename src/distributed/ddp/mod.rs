@@ -13,6 +13,11 @@ use crate::error::{AmpError, DistErrorKind, Result};
 use crate::precision::store::ParamKind;
 use crate::train::reduce::{StepGrads, StepReducer};
 
+use super::zero::{self, Sharding, Shards};
+
+mod device;
+mod setup;
+
 /// Settings of a [`DataParallel`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct DataParallelConfig {
@@ -43,6 +48,8 @@ struct Stats {
     wait_s: Vec<f64>,
     /// And seconds in the gradient buckets after it: the transfer.
     transfer_s: Vec<f64>,
+    /// Sharded runs: seconds in each all-gather of the updated working weights.
+    gather_s: Vec<f64>,
 }
 
 /// Data-parallel training of one AMP run across the ranks of a [`Communicator`].
@@ -109,6 +116,9 @@ pub struct DataParallel {
     /// The run, to take its device path and count its host reads (weak: the run holds this
     /// reducer).
     run: std::sync::Weak<crate::train::run::RunState>,
+    /// Which rank owns each parameter, when sharded.
+    shards: Mutex<Shards>,
+    sharding: Sharding,
 }
 
 /// A step's flags as the ranks sum them: 1 for each parameter that had a gradient here, 1
@@ -143,6 +153,28 @@ impl DataParallel {
     /// every rank, and installs the step reduction on `amp`'s run. Call it on every rank
     /// after building the model (parameters built later are not broadcast).
     pub fn new(amp: &Amp, comm: Arc<dyn Communicator>, config: DataParallelConfig) -> Result<Arc<Self>> {
+        Self::sharded(amp, comm, config, Sharding::None)
+    }
+
+    /// [`new`](Self::new) with the optimizer's work shared between the ranks as `sharding`
+    /// says (ZeRO stage 1 or 2; [`Sharding::None`] is `new`). Every rank must pass the same
+    /// `sharding`. After the checks and the copy of rank 0's values, each rank frees the f32
+    /// masters of the parameters it does not own ([`owner_of`](Self::owner_of)); from then
+    /// on it keeps gradients and optimizer state for its own shard only, steps it, and
+    /// receives the other parameters' working values after each applied step. Clipping
+    /// (`clip_grad_norm`) uses the norm over every rank's shard, and the skip decision is
+    /// the whole group's, so a sharded run steps, clips and skips like the unsharded one.
+    ///
+    /// A rank then holds only a shard of the run's state: `Amp::state_dict`, checkpoints,
+    /// `AmpOptimizer::state_dict` and `AmpOptimizer::master_params` are refused there with
+    /// [`DistErrorKind::Sharded`] (sharded checkpoints are not written yet). Not on the
+    /// device path yet ([`Amp::device_path`]): that is an [`AmpError::InvalidArgument`].
+    pub fn sharded(
+        amp: &Amp,
+        comm: Arc<dyn Communicator>,
+        config: DataParallelConfig,
+        sharding: Sharding,
+    ) -> Result<Arc<Self>> {
         if config.bucket_bytes < 4 {
             return Err(AmpError::InvalidArgument {
                 argument: "bucket_bytes",
@@ -152,16 +184,67 @@ impl DataParallel {
                 ),
             });
         }
+        if sharding.is_sharded() && amp.run().device_path() {
+            return Err(AmpError::InvalidArgument {
+                argument: "sharding",
+                reason: format!(
+                    "{} sharding runs on the host path only so far; this run keeps its gradients on the device \
+                     (Amp::device_path): use Sharding::None there",
+                    sharding
+                ),
+            });
+        }
+        let world = comm.world_size();
         let ddp = Arc::new(Self {
             comm,
             config,
             stats: Mutex::new(Stats::default()),
             run: Arc::downgrade(amp.run()),
+            shards: Mutex::new(Shards::new(world)),
+            sharding,
         });
         ddp.check_same_model(amp)?;
         ddp.broadcast_params(amp)?;
+        if ddp.sharding.is_sharded() {
+            ddp.place(&amp.run().store, &zero::trainable_sizes(amp.store()));
+        }
         amp.run().set_step_reducer(Some(ddp.clone()));
         Ok(ddp)
+    }
+
+    /// Places the parameters of `sizes` not placed yet and frees this rank's f32 masters of
+    /// the others' (their owners keep them).
+    fn place(&self, store: &crate::precision::store::ParamStore, sizes: &[(String, usize)]) {
+        let placed = lock(&self.shards).extend(sizes);
+        for (name, r) in placed {
+            if r != self.comm.rank() {
+                store.drop_master(&name);
+            }
+        }
+    }
+
+    /// How the optimizer's work is shared between the ranks.
+    pub fn sharding(&self) -> Sharding {
+        self.sharding
+    }
+
+    /// The rank that keeps the f32 master and optimizer state of parameter `name` and steps
+    /// it, on a sharded run (`None` when not sharded, or for a name that is not a trainable
+    /// parameter of the run). Every rank computes the same partition: the trainable
+    /// parameters, largest first, each to the rank with the fewest elements so far.
+    pub fn owner_of(&self, name: &str) -> Option<usize> {
+        if !self.sharding.is_sharded() {
+            return None;
+        }
+        lock(&self.shards).owner(name)
+    }
+
+    /// The trainable elements each rank owns on a sharded run (empty when not sharded).
+    pub fn shard_sizes(&self) -> Vec<usize> {
+        if !self.sharding.is_sharded() {
+            return Vec::new();
+        }
+        lock(&self.shards).loads().to_vec()
     }
 
     /// This process's rank.
@@ -226,6 +309,9 @@ impl DataParallel {
 
     /// Collective calls made for them: per step, one per gradient bucket, and on the host
     /// path one more before them for the flags (see [`comm_wait_ms`](Self::comm_wait_ms)).
+    /// Sharded runs: stage 2 counts one per reduce-scatter round and one for the agreement
+    /// on inf/NaN instead of the buckets; both stages count one per all-gather of the
+    /// updated weights (one per applied step of each optimizer).
     pub fn collectives(&self) -> u64 {
         lock(&self.stats).collectives
     }
@@ -255,92 +341,19 @@ impl DataParallel {
         median_ms(&lock(&self.stats).transfer_s)
     }
 
+    /// The median time, in milliseconds, of the all-gather of the updated working weights
+    /// after a step of a sharded run (over the last 1024; 0 before the first, and when not
+    /// sharded). Not part of [`comm_ms`](Self::comm_ms), which times the gradients' reduction.
+    pub fn comm_gather_ms(&self) -> f64 {
+        median_ms(&lock(&self.stats).gather_s)
+    }
+
     fn err(&self, kind: DistErrorKind, detail: String) -> AmpError {
         AmpError::Distributed {
             rank: self.comm.rank(),
             kind,
             detail,
         }
-    }
-
-    /// Fails on every rank unless every rank describes the same run.
-    fn check_same_model(&self, amp: &Amp) -> Result<()> {
-        let props = amp.properties();
-        let mut lines = vec![format!("opt level {}, half type {}", props.opt_level, props.half)];
-        for p in amp.store().params() {
-            lines.push(format!(
-                "parameter `{}`: {:?}, shape {:?}, {:?}",
-                p.name(),
-                p.kind(),
-                p.working().dims(),
-                p.working().dtype()
-            ));
-        }
-        let mine = lines.join("\n");
-        let mut root = mine.clone().into_bytes();
-        self.comm.broadcast_bytes(&mut root, 0)?;
-        let root = String::from_utf8_lossy(&root).into_owned();
-        let differs = root != mine;
-        // Every rank learns how many differ, so every rank fails (none waits for the others).
-        let mut bad = [if differs { 1.0f32 } else { 0.0 }];
-        self.comm.all_reduce_sum(&mut bad)?;
-        if bad[0] == 0.0 {
-            return Ok(());
-        }
-        let detail = if differs {
-            let (r, m): (Vec<&str>, Vec<&str>) = (root.lines().collect(), mine.lines().collect());
-            let first = (0..r.len().max(m.len()))
-                .find(|&i| r.get(i) != m.get(i))
-                .map(|i| {
-                    format!(
-                        "rank 0 has `{}`, this rank has `{}`",
-                        r.get(i).unwrap_or(&"nothing more"),
-                        m.get(i).unwrap_or(&"nothing more")
-                    )
-                })
-                .unwrap_or_default();
-            format!(
-                "this rank's model differs from rank 0's: {first}. Build the same model, opt level and half type on every rank"
-            )
-        } else {
-            format!(
-                "{} rank(s) have a model that differs from rank 0's (opt level, half type, parameter names or shapes); build the same model on every rank",
-                bad[0] as usize
-            )
-        };
-        Err(self.err(DistErrorKind::Mismatch, detail))
-    }
-
-    fn broadcast_params(&self, amp: &Amp) -> Result<()> {
-        self.broadcast_kind(amp, None)
-    }
-
-    /// Broadcasts rank 0's f32 values of the store's parameters (of one kind, or all),
-    /// bucketed, and writes them on the other ranks.
-    fn broadcast_kind(&self, amp: &Amp, kind: Option<ParamKind>) -> Result<()> {
-        let mut params = amp.store().params();
-        params.retain(|p| kind.is_none_or(|k| p.kind() == k) && p.working().dtype().is_float());
-        params.sort_by(|a, b| a.name().cmp(b.name()));
-        let mut flat = Vec::new();
-        for p in &params {
-            flat.extend(p.f32_value()?.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
-        }
-        let per = (self.config.bucket_bytes / 4).max(1);
-        for chunk in flat.chunks_mut(per) {
-            self.comm.broadcast(chunk, 0)?;
-        }
-        if self.is_main() {
-            return Ok(());
-        }
-        let mut at = 0;
-        for p in &params {
-            let dims = p.working().dims().to_vec();
-            let n: usize = dims.iter().product();
-            let t = Tensor::from_slice(&flat[at..at + n], dims, p.working().device())?;
-            amp.store().write_f32(p.name(), &t)?;
-            at += n;
-        }
-        Ok(())
     }
 }
 
@@ -400,36 +413,126 @@ impl StepReducer for DataParallel {
                     .into(),
             ));
         }
-        let t1 = Instant::now();
-        let per = (self.config.bucket_bytes / 4).max(1);
-        let mut buckets: Vec<&mut [f32]> = flat.chunks_mut(per).collect();
-        let calls = buckets.len() as u64 + 1;
-        self.comm.all_reduce_sum_buckets(&mut buckets)?;
-        let transfer_s = t1.elapsed().as_secs_f64();
-
+        let sharding = self.sharding;
+        let me = self.comm.rank();
+        let shards = if sharding.is_sharded() {
+            // Parameters built since the last step join the partition (the same on every rank:
+            // the layout check above passed).
+            if let Some(run) = self.run.upgrade() {
+                let sized: Vec<(String, usize)> = params
+                    .iter()
+                    .map(|(n, _)| n.clone())
+                    .zip(sizes.iter().copied())
+                    .collect();
+                self.place(&run.store, &sized);
+            }
+            Some(lock(&self.shards).clone())
+        } else {
+            None
+        };
         let present = &meta[..params.len()];
         let flags = &meta[params.len()..params.len() + found_inf.len()];
-        let device = device.unwrap_or(candle_core::Device::Cpu);
-        let mut out = BTreeMap::new();
-        let mut at = 0;
-        for (((name, dims), &len), &had) in params.iter().zip(&sizes).zip(present) {
-            if had > 0.0 {
-                // The average is what the optimizer applies: checked in this pass.
-                let avg = flat[at..at + len].to_vec();
-                if avg.iter().any(|g| !g.is_finite()) {
-                    nonfinite.push(name.clone());
-                }
-                out.insert(name.clone(), Tensor::from_vec(avg, dims.as_slice(), &device)?);
-            }
-            at += len;
-        }
         for (f, &v) in found_inf.iter_mut().zip(flags) {
             *f = v > 0.0;
         }
+        let device = device.unwrap_or(candle_core::Device::Cpu);
+        // Only the collectives count as the transfer.
+        let mut transfer_s = 0.0;
+        let mut timed = |t: Instant| transfer_s += t.elapsed().as_secs_f64();
+        let per = (self.config.bucket_bytes / 4).max(1);
+        let mut out = BTreeMap::new();
+        let calls = match (&shards, sharding) {
+            (Some(shards), Sharding::Stage2) => {
+                let t = Instant::now();
+                let (sums, rounds) = zero::reduce_scatter_shares(&*self.comm, shards, &params, &sizes, &flat, per)?;
+                timed(t);
+                drop(flat);
+                // This rank's shard is checked in the pass that keeps it; the ranks then agree
+                // on the verdict, so every rank skips the same steps.
+                let mut bad = 0usize;
+                for (((name, dims), sum), &had) in params.iter().zip(sums).zip(present) {
+                    let Some(avg) = sum else { continue };
+                    if had > 0.0 {
+                        if avg.iter().any(|g| !g.is_finite()) {
+                            nonfinite.push(name.clone());
+                            bad += 1;
+                        }
+                        out.insert(name.clone(), Tensor::from_vec(avg, dims.as_slice(), &device)?);
+                    }
+                }
+                let mut agree = [bad as f32];
+                let t = Instant::now();
+                self.comm.all_reduce_sum(&mut agree)?;
+                timed(t);
+                if agree[0] > 0.0 {
+                    found_inf.fill(true);
+                }
+                rounds + 2
+            }
+            _ => {
+                let mut buckets: Vec<&mut [f32]> = flat.chunks_mut(per).collect();
+                let calls = buckets.len() as u64 + 1;
+                let t = Instant::now();
+                self.comm.all_reduce_sum_buckets(&mut buckets)?;
+                timed(t);
+                let mut at = 0;
+                for (((name, dims), &len), &had) in params.iter().zip(&sizes).zip(present) {
+                    if had > 0.0 {
+                        // The average is what the optimizer applies: checked in this pass, on
+                        // every rank for every parameter (so the verdict needs no exchange).
+                        let avg = &flat[at..at + len];
+                        if avg.iter().any(|g| !g.is_finite()) {
+                            nonfinite.push(name.clone());
+                        }
+                        // Sharded (stage 1): only this rank's shard is kept and stepped.
+                        if shards.as_ref().is_none_or(|s| s.owner(name) == Some(me)) {
+                            out.insert(name.clone(), Tensor::from_vec(avg.to_vec(), dims.as_slice(), &device)?);
+                        }
+                    }
+                    at += len;
+                }
+                calls
+            }
+        };
         *checked = true;
         *grads = out;
         self.record(calls, wait_s, transfer_s);
         Ok(())
+    }
+
+    /// Sharded: every rank's sum over its shard, gathered and added in rank order in f64 (the
+    /// same bits on every rank). Not sharded: the local sum is already the total.
+    fn total_sum_squares(&self, local: f64) -> Result<f64> {
+        if !self.sharding.is_sharded() {
+            return Ok(local);
+        }
+        let mut all = vec![0u8; 8 * self.comm.world_size()];
+        self.comm.all_gather_bytes(&local.to_le_bytes(), &mut all)?;
+        Ok(all
+            .chunks_exact(8)
+            .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
+            .sum())
+    }
+
+    fn after_step(&self, params: &[(String, Vec<usize>)]) -> Result<()> {
+        if !self.sharding.is_sharded() {
+            return Ok(());
+        }
+        let Some(run) = self.run.upgrade() else { return Ok(()) };
+        let shards = lock(&self.shards).clone();
+        let t = Instant::now();
+        zero::gather_working(&*self.comm, &run.store, &shards, params)?;
+        let mut st = lock(&self.stats);
+        st.collectives += 1;
+        if st.gather_s.len() == TIMINGS {
+            st.gather_s.remove(0);
+        }
+        st.gather_s.push(t.elapsed().as_secs_f64());
+        Ok(())
+    }
+
+    fn shard_rank(&self) -> Option<usize> {
+        self.sharding.is_sharded().then(|| self.comm.rank())
     }
 }
 
@@ -449,97 +552,5 @@ impl DataParallel {
             }
             v.push(x);
         }
-    }
-
-    /// The step reduction on the device path: the same layout as the host path's flat
-    /// vector, built and summed as one f32 tensor on the gradients' device
-    /// ([`Communicator::all_reduce_sum_tensor`]: in device memory over NCCL), in buckets.
-    /// After the sum the averages are checked on the device, and the host reads the layout
-    /// check, which parameters had gradients, the overflow flags and the averages' flags in
-    /// one transfer (one synchronisation, counted in the run's host reads). A communicator
-    /// without a device reduction (`reduces_in_device_memory` false) also reads each bucket
-    /// on the host: one more counted read per bucket.
-    fn reduce_on_device(
-        &self,
-        run: &crate::train::run::RunState,
-        params: Vec<(String, Vec<usize>)>,
-        grads: &BTreeMap<String, Tensor>,
-        found_inf: &mut [bool],
-        nonfinite: &mut Vec<String>,
-    ) -> Result<(BTreeMap<String, Tensor>, u64, f64)> {
-        let dev = run.store.device().clone();
-        let world = self.comm.world_size() as f32;
-        // A true division, as the host path's (candle's `t / x` multiplies by `1 / x`).
-        let world_t = Tensor::new(world, &dev)?;
-        let mut parts = Vec::with_capacity(params.len() + 1);
-        for (name, dims) in &params {
-            let len: usize = dims.iter().product();
-            parts.push(match grads.get(name) {
-                // Divided before the sum, as on the host path.
-                Some(g) => g.flatten_all()?.to_dtype(DType::F32)?.broadcast_div(&world_t)?,
-                None => Tensor::zeros(len, DType::F32, &dev)?,
-            });
-        }
-        let meta = step_meta(&params, grads, found_inf);
-        let m = meta.len();
-        parts.push(Tensor::from_vec(meta, m, &dev)?);
-        let flat = Tensor::cat(&parts, 0)?;
-        drop(parts);
-
-        let t0 = Instant::now();
-        let total = flat.elem_count();
-        let per = (self.config.bucket_bytes / 4).max(1);
-        let mut sums = Vec::with_capacity(total.div_ceil(per));
-        let mut at = 0;
-        while at < total {
-            let len = per.min(total - at);
-            sums.push(self.comm.all_reduce_sum_tensor(&flat.narrow(0, at, len)?)?);
-            at += len;
-        }
-        let calls = sums.len() as u64;
-        if !self.comm.reduces_in_device_memory() {
-            // The default tensor sum read each bucket on the host (MPI, `LocalGroup`).
-            run.count_host_syncs(calls);
-        }
-        let flat = Tensor::cat(&sums, 0)?;
-        drop(sums);
-        let comm_s = t0.elapsed().as_secs_f64();
-
-        let n = total - m;
-        let mut avgs = Vec::with_capacity(params.len());
-        let mut flags = vec![flat.narrow(0, n, m)?];
-        let mut at = 0;
-        for (_, dims) in &params {
-            let len: usize = dims.iter().product();
-            let avg = flat.narrow(0, at, len)?.reshape(dims.as_slice())?;
-            flags.push(crate::train::optim::device_flag(&avg)?);
-            avgs.push(avg);
-            at += len;
-        }
-        let read = crate::train::optim::read_device_values(run, &flags)?;
-        let (meta, avg_bad) = read.split_at(m);
-        if meta[m - 1] != params.len() as f32 * world {
-            return Err(self.err(
-                DistErrorKind::Mismatch,
-                "the ranks stepped optimizers over different parameters (the same optimizers, over the same \
-                 parameters, must step in the same order on every rank)"
-                    .into(),
-            ));
-        }
-        let (present, flag_sums) = meta.split_at(params.len());
-        let mut out = BTreeMap::new();
-        for ((((name, _), avg), &had), &bad) in params.into_iter().zip(avgs).zip(present).zip(avg_bad) {
-            if had > 0.0 {
-                if bad.is_nan() {
-                    nonfinite.push(name.clone());
-                }
-                // Its own storage, so the step's bucket is freed.
-                out.insert(name, avg.copy()?);
-            }
-        }
-        for (f, &v) in found_inf.iter_mut().zip(flag_sums) {
-            *f = v > 0.0;
-        }
-        Ok((out, calls, comm_s))
     }
 }

@@ -1,0 +1,276 @@
+//! ZeRO stages 1 and 2 (DeepSpeed's, PyTorch's `ZeroRedundancyOptimizer`): each rank keeps
+//! the f32 master weights and the optimizer state of its own shard of the parameters, steps
+//! that shard only, and receives the others' updated working weights from their owners.
+//!
+//! The shard is a whole-parameter partition (as `ZeroRedundancyOptimizer`'s): a parameter's
+//! master, moments and update live on one rank, so the optimizers' fused passes run
+//! unchanged on a shard. It is computed from the names and sizes alone, the same on every
+//! rank (whose models `DataParallel::new` has checked to be equal).
+
+use std::collections::BTreeMap;
+
+use candle_core::{DType, Tensor};
+
+use crate::comm::Communicator;
+use crate::error::{AmpError, Result};
+use crate::precision::store::{ParamKind, ParamStore};
+
+/// How a [`crate::distributed::DataParallel`] shares the optimizer's work between ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Sharding {
+    /// Every rank keeps and steps every parameter (PyTorch's DDP): gradients are
+    /// all-reduced.
+    #[default]
+    None,
+    /// ZeRO stage 1: each rank keeps the f32 master weights and the optimizer state of its
+    /// shard only and steps it; gradients are all-reduced, and every rank checks all of them
+    /// for inf/NaN (the skip decision needs no further exchange); after the step the owners'
+    /// working weights are all-gathered in their working type (half at O2 and O3: half the
+    /// bytes of an f32 gather).
+    Stage1,
+    /// ZeRO stage 2: stage 1, and the gradients are reduce-scattered instead of all-reduced
+    /// (half the traffic): each rank receives the average of its shard only, checks it, and
+    /// the ranks agree on the verdict in one small sum. The f32 gradients of the other
+    /// shards are freed after the reduction instead of being kept for the next backward.
+    Stage2,
+}
+
+impl Sharding {
+    /// Whether the optimizer state is sharded (stage 1 or 2).
+    pub fn is_sharded(self) -> bool {
+        self != Sharding::None
+    }
+}
+
+impl std::fmt::Display for Sharding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Sharding::None => "none",
+            Sharding::Stage1 => "ZeRO-1",
+            Sharding::Stage2 => "ZeRO-2",
+        })
+    }
+}
+
+/// Which rank owns each parameter: largest first (ties by name), each to the rank with the
+/// fewest elements so far (ties to the lower rank), so the ranks' loads differ by at most
+/// the largest parameter. Parameters built after the partition was made join it the same
+/// way, in the order of their names, without moving any parameter already placed.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Shards {
+    owner: BTreeMap<String, usize>,
+    load: Vec<usize>,
+}
+
+impl Shards {
+    /// An empty partition over `world` ranks.
+    pub(crate) fn new(world: usize) -> Self {
+        Self {
+            owner: BTreeMap::new(),
+            load: vec![0; world.max(1)],
+        }
+    }
+
+    /// Places the parameters of `sizes` not placed yet; returns the names placed now.
+    pub(crate) fn extend(&mut self, sizes: &[(String, usize)]) -> Vec<(String, usize)> {
+        let mut new: Vec<&(String, usize)> = sizes.iter().filter(|(n, _)| !self.owner.contains_key(n)).collect();
+        new.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        new.dedup_by(|a, b| a.0 == b.0);
+        let mut placed = Vec::with_capacity(new.len());
+        for (name, n) in new {
+            let load = &mut self.load;
+            let r = (0..load.len())
+                .min_by_key(|&r| (load[r], r))
+                .expect("at least one rank");
+            load[r] += n;
+            self.owner.insert(name.clone(), r);
+            placed.push((name.clone(), r));
+        }
+        placed
+    }
+
+    /// The rank that owns `name`, if it is placed.
+    pub(crate) fn owner(&self, name: &str) -> Option<usize> {
+        self.owner.get(name).copied()
+    }
+
+    /// The elements each rank owns.
+    pub(crate) fn loads(&self) -> &[usize] {
+        &self.load
+    }
+}
+
+/// The sizes of `store`'s trainable parameters (or of the listed ones), by name.
+pub(crate) fn trainable_sizes(store: &ParamStore) -> Vec<(String, usize)> {
+    store
+        .params()
+        .iter()
+        .filter(|p| p.kind() == ParamKind::Trainable)
+        .map(|p| (p.name().to_string(), p.working().elem_count()))
+        .collect()
+}
+
+/// A tensor's values as little-endian bytes of its own type.
+fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
+    let t = t.flatten_all()?;
+    Ok(match t.dtype() {
+        DType::F32 => t.to_vec1::<f32>()?.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        DType::F16 => t
+            .to_vec1::<half::f16>()?
+            .iter()
+            .flat_map(|v| v.to_bits().to_le_bytes())
+            .collect(),
+        DType::BF16 => t
+            .to_vec1::<half::bf16>()?
+            .iter()
+            .flat_map(|v| v.to_bits().to_le_bytes())
+            .collect(),
+        DType::F64 => t.to_vec1::<f64>()?.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        other => {
+            return Err(AmpError::InvalidArgument {
+                argument: "sharding",
+                reason: format!("ZeRO sharding gathers float parameters only, found one of type {other:?}"),
+            });
+        }
+    })
+}
+
+/// After a step: every rank sends the working values of the parameters of `params` it owns
+/// (in `params`' order, in their working type) and writes the other ranks' into its own
+/// working Vars. One all-gather of equal blocks (the largest rank's bytes; the others
+/// padded).
+pub(crate) fn gather_working(
+    comm: &dyn Communicator,
+    store: &ParamStore,
+    shards: &Shards,
+    params: &[(String, Vec<usize>)],
+) -> Result<()> {
+    let world = comm.world_size();
+    let me = comm.rank();
+    // Bytes per rank, from the shapes and the working type (the same on every rank).
+    let mut lens = vec![0usize; world];
+    let mut mine = Vec::new();
+    let mut entries = Vec::new();
+    for (name, dims) in params {
+        let (Some(r), Some(p)) = (shards.owner(name), store.param(name)) else {
+            continue;
+        };
+        let bytes = dims.iter().product::<usize>() * p.working().dtype().size_in_bytes();
+        if r == me {
+            mine.extend(tensor_bytes(p.working())?);
+        }
+        entries.push((r, lens[r], bytes, p));
+        lens[r] += bytes;
+    }
+    let block = lens.iter().copied().max().unwrap_or(0);
+    if block == 0 {
+        return Ok(());
+    }
+    mine.resize(block, 0);
+    let mut all = vec![0u8; block * world];
+    comm.all_gather_bytes(&mine, &mut all)?;
+    for (r, at, len, p) in entries {
+        if r == me {
+            continue;
+        }
+        let from = r * block + at;
+        let w = p.working_var();
+        let t = Tensor::from_raw_buffer(&all[from..from + len], w.dtype(), w.dims(), w.device())?;
+        let written = w.set(&t);
+        crate::precision::autocast::invalidate(w.as_tensor());
+        written?;
+    }
+    Ok(())
+}
+
+/// The stage-2 reduction of the averaged shares in `flat` (laid out in `params`' order,
+/// `sizes` elements each, every parameter placed in `shards`): reduce-scattered in rounds of
+/// at most `per` elements per rank, so that this rank ends with the sums of the parameters it
+/// owns. Returns them (`None` for the others' parameters) in `params`' order, and the number
+/// of collective calls.
+pub(crate) fn reduce_scatter_shares(
+    comm: &dyn Communicator,
+    shards: &Shards,
+    params: &[(String, Vec<usize>)],
+    sizes: &[usize],
+    flat: &[f32],
+    per: usize,
+) -> Result<(Vec<Option<Vec<f32>>>, u64)> {
+    let world = comm.world_size();
+    let me = comm.rank();
+    // Each rank's block: its parameters' shares in order.
+    let mut blocks: Vec<Vec<f32>> = vec![Vec::new(); world];
+    let mut place = Vec::with_capacity(params.len());
+    let mut at = 0;
+    for ((name, _), &len) in params.iter().zip(sizes) {
+        let r = shards.owner(name).ok_or_else(|| AmpError::InvalidArgument {
+            argument: "params",
+            reason: format!("parameter `{name}` has no owner in the partition"),
+        })?;
+        place.push((r, blocks[r].len()));
+        blocks[r].extend_from_slice(&flat[at..at + len]);
+        at += len;
+    }
+    let block = blocks.iter().map(Vec::len).max().unwrap_or(0);
+    let chunk = (per / world).max(1);
+    let mut sums = vec![0f32; block];
+    let mut calls = 0;
+    let mut send = Vec::new();
+    let mut from = 0;
+    while from < block {
+        let len = chunk.min(block - from);
+        send.clear();
+        for b in &blocks {
+            // Past a shorter block's end the rank sends zeros (the padding).
+            let start = from.min(b.len());
+            let have = (b.len() - start).min(len);
+            send.extend_from_slice(&b[start..start + have]);
+            send.resize(send.len() + len - have, 0.0);
+        }
+        comm.reduce_scatter_sum(&send, &mut sums[from..from + len])?;
+        calls += 1;
+        from += len;
+    }
+    let out = place
+        .into_iter()
+        .zip(sizes)
+        .map(|((r, at), &len)| (r == me).then(|| sums[at..at + len].to_vec()))
+        .collect();
+    Ok((out, calls))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sizes(v: &[(&str, usize)]) -> Vec<(String, usize)> {
+        v.iter().map(|(n, s)| (n.to_string(), *s)).collect()
+    }
+
+    #[test]
+    fn the_partition_balances_largest_first_and_is_stable() {
+        let all = sizes(&[("a", 10), ("b", 7), ("c", 5), ("d", 5), ("e", 1)]);
+        let mut p = Shards::new(2);
+        p.extend(&all);
+        // a -> 0 (10); b -> 1 (7); c -> 1 (12); d -> 0 (15); e -> 1 (13).
+        let got: Vec<Option<usize>> = ["a", "b", "c", "d", "e"].iter().map(|n| p.owner(n)).collect();
+        assert_eq!(got, [0, 1, 1, 0, 1].map(Some));
+        assert_eq!(p.loads(), &[15, 13]);
+        let mut rev = all.clone();
+        rev.reverse();
+        let mut q = Shards::new(2);
+        q.extend(&rev);
+        assert_eq!(q.owner, p.owner, "the input order does not matter");
+        // A parameter built later joins the lighter rank; nothing placed moves.
+        assert_eq!(p.extend(&sizes(&[("a", 10), ("f", 4)])), vec![("f".to_string(), 1)]);
+        assert_eq!(p.loads(), &[15, 17]);
+        // One rank owns everything; more ranks than parameters leave some empty.
+        let mut one = Shards::new(1);
+        one.extend(&all);
+        assert!(one.owner.values().all(|&r| r == 0));
+        let mut wide = Shards::new(8);
+        wide.extend(&all);
+        assert_eq!(wide.loads().iter().filter(|&&l| l > 0).count(), 5);
+    }
+}

@@ -1,0 +1,228 @@
+//! ZeRO stages 1 and 2 on the in-process test double (`LocalGroup`): a sharded run ends bit
+//! for bit where the unsharded data-parallel run ends (which `tests/dist.rs` checks against
+//! one process over the whole batch), at every level and half type, with SGD and AdamW,
+//! accumulation, clipping and an overflowing step; the partition, the refusals of calls that
+//! need the whole state, and the freed masters.
+mod common;
+
+mod dist_scenarios;
+
+use std::time::Duration;
+
+use candle_amp::checkpoint::CheckpointDir;
+use candle_amp::distributed::{DataParallel, Sharding};
+use candle_amp::{self as amp, AmpConfig, AmpError, DistErrorKind, HalfType, OptLevel};
+use candle_core::Device;
+use common::on_ranks;
+use dist_scenarios::*;
+
+const T: Duration = Duration::from_secs(60);
+
+/// `world` ranks with each stage against the unsharded run with the same extras: the same
+/// working weights (bit for bit, on every rank), the same f32 masters on their owners, the
+/// same skipped steps and clipping norms; every parameter owned by exactly one rank.
+fn check_sharded(world: usize, level: OptLevel, half: HalfType, api: Api, extras: Extras) {
+    let run = |sharding: Sharding| {
+        on_ranks(world, T, |c| {
+            train_with(
+                Some(c),
+                world,
+                level,
+                half,
+                api,
+                false,
+                false,
+                Extras { sharding, ..extras },
+            )
+        })
+    };
+    let plain = run(Sharding::None);
+    for stage in [Sharding::Stage1, Sharding::Stage2] {
+        let what = format!(
+            "{stage}, {world} ranks, {level} {half}, adamw={} clip={:?} scaler={}",
+            extras.adamw,
+            extras.clip,
+            api == Api::ScalerAccumulating
+        );
+        let sharded = run(stage);
+        for r in &sharded {
+            assert_eq!(r.working, plain[0].working, "{what}: working weights");
+            assert_eq!(r.skipped, plain[0].skipped, "{what}: skipped steps");
+            assert_eq!(r.norms, plain[0].norms, "{what}: clipping norms");
+        }
+        for (name, bits) in &plain[0].state {
+            let owners: Vec<&Run> = sharded.iter().filter(|r| r.owned.contains(name)).collect();
+            let is_param = plain[0].owned.contains(name) && !name.contains("running");
+            if is_param && owners.len() != world {
+                assert_eq!(owners.len(), 1, "{what}: `{name}` has one owner");
+            }
+            let got = &owners[0].state.iter().find(|(n, _)| n == name).unwrap().1;
+            assert_eq!(got, bits, "{what}: `{name}`'s f32 value on its owner");
+        }
+        // Both ranks own a shard (the partition is balanced by size).
+        for r in &sharded {
+            assert!(r.owned.len() < plain[0].owned.len(), "{what}: a rank owns everything");
+        }
+    }
+}
+
+#[test]
+fn a_sharded_run_steps_bit_for_bit_like_the_unsharded_one_with_the_guard() {
+    let sgd = Extras::default();
+    let adamw_clipped = Extras {
+        adamw: true,
+        clip: Some(0.05),
+        ..Default::default()
+    };
+    check_sharded(2, OptLevel::O0, HalfType::F16, Api::Guard, sgd);
+    check_sharded(2, OptLevel::O0, HalfType::F16, Api::Guard, adamw_clipped);
+    check_sharded(2, OptLevel::O2, HalfType::F16, Api::Guard, adamw_clipped);
+    check_sharded(2, OptLevel::O2, HalfType::Bf16, Api::Guard, sgd);
+    check_sharded(2, OptLevel::O3, HalfType::F16, Api::Guard, adamw_clipped);
+    check_sharded(2, OptLevel::O3, HalfType::Bf16, Api::Guard, sgd);
+}
+
+#[test]
+fn a_sharded_run_steps_bit_for_bit_like_the_unsharded_one_with_grad_scaler_and_accumulation() {
+    let adamw_clipped = Extras {
+        adamw: true,
+        clip: Some(0.05),
+        ..Default::default()
+    };
+    check_sharded(2, OptLevel::O1, HalfType::F16, Api::ScalerAccumulating, adamw_clipped);
+    check_sharded(2, OptLevel::O2, HalfType::Bf16, Api::ScalerAccumulating, adamw_clipped);
+    check_sharded(
+        2,
+        OptLevel::O1,
+        HalfType::Bf16,
+        Api::ScalerAccumulating,
+        Extras::default(),
+    );
+}
+
+#[test]
+fn three_ranks_shard_unevenly_and_still_step_like_the_unsharded_run() {
+    let adamw = Extras {
+        adamw: true,
+        clip: Some(0.05),
+        ..Default::default()
+    };
+    check_sharded(3, OptLevel::O2, HalfType::F16, Api::Guard, adamw);
+    check_sharded(
+        3,
+        OptLevel::O0,
+        HalfType::F16,
+        Api::ScalerAccumulating,
+        Extras::default(),
+    );
+}
+
+/// Builds the scenarios' network at O2 on each rank with `sharding`.
+fn o2_rank(
+    c: std::sync::Arc<dyn amp::distributed::Communicator>,
+    sharding: Sharding,
+) -> (amp::Amp, std::sync::Arc<DataParallel>) {
+    let amp = amp::Amp::new(
+        AmpConfig::new(OptLevel::O2).seed(10 + c.rank() as u64).verbosity(0),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let _m = amp.model(|vb| Net::new(vb, false)).unwrap();
+    let d = DataParallel::sharded(&amp, c, Default::default(), sharding).unwrap();
+    (amp, d)
+}
+
+#[test]
+fn each_rank_keeps_the_masters_of_its_own_shard_only() {
+    let got = on_ranks(2, T, |c| {
+        let (amp, d) = o2_rank(c, Sharding::Stage1);
+        let masters: Vec<(String, bool)> = amp
+            .store()
+            .params()
+            .iter()
+            .map(|p| (p.name().to_string(), p.master().is_some()))
+            .collect();
+        let owners: Vec<Option<usize>> = masters.iter().map(|(n, _)| d.owner_of(n)).collect();
+        (d.rank(), masters, owners, d.shard_sizes())
+    });
+    let (_, _, owners0, sizes) = &got[0];
+    assert_eq!(owners0, &got[1].2, "the ranks agree on the partition");
+    // a.weight (96) alone on one rank; the rest (16 + 32 + 2 + 32 + 2 = 84) on the other.
+    let mut s = sizes.clone();
+    s.sort();
+    assert_eq!(s, vec![84, 96]);
+    for (rank, masters, owners, _) in &got {
+        for ((name, has), owner) in masters.iter().zip(owners) {
+            assert_eq!(*has, *owner == Some(*rank), "rank {rank}: `{name}`'s master");
+        }
+    }
+}
+
+#[test]
+fn calls_that_need_the_whole_state_are_refused_on_a_sharded_rank_and_write_nothing() {
+    let dir = std::env::temp_dir().join(format!("candle-amp-zero-refused-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let errs = on_ranks(2, T, |c| {
+        let (amp, _d) = o2_rank(c.clone(), Sharding::Stage2);
+        let opt = amp
+            .optimizer(amp::optim::Sgd::new(amp::optim::SgdConfig::new(0.1)).unwrap())
+            .unwrap();
+        let ckpt = CheckpointDir::new(dir.join(format!("r{}", c.rank())), 2);
+        vec![
+            amp.state_dict().map(|_| ()).unwrap_err(),
+            opt.state_dict().map(|_| ()).unwrap_err(),
+            opt.master_params().map(|_| ()).unwrap_err(),
+            amp::checkpoint::Checkpoint::capture(&amp, &[&opt], 0)
+                .map(|_| ())
+                .unwrap_err(),
+            ckpt.save(&amp, &[&opt], 0, serde_json::Value::Null)
+                .map(|_| ())
+                .unwrap_err(),
+        ]
+    });
+    for (rank, errs) in errs.iter().enumerate() {
+        for e in errs {
+            match e {
+                AmpError::Distributed {
+                    rank: r,
+                    kind: DistErrorKind::Sharded,
+                    detail,
+                } => {
+                    assert_eq!(*r, rank);
+                    assert!(detail.contains("shard"), "{detail}");
+                }
+                other => panic!("expected a Sharded error, got {other}"),
+            }
+        }
+    }
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "nothing was written");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn ranks_that_disagree_on_sharding_all_fail_before_training() {
+    let errs = on_ranks(2, T, |c| {
+        let s = if c.rank() == 0 {
+            Sharding::Stage1
+        } else {
+            Sharding::None
+        };
+        let amp = amp::Amp::new(AmpConfig::new(OptLevel::O2).verbosity(0), &Device::Cpu).unwrap();
+        let _m = amp.model(|vb| Net::new(vb, false)).unwrap();
+        DataParallel::sharded(&amp, c, Default::default(), s)
+            .map(|_| ())
+            .unwrap_err()
+    });
+    for e in errs {
+        assert!(
+            matches!(
+                e,
+                AmpError::Distributed {
+                    kind: DistErrorKind::Mismatch,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+}
