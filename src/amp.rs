@@ -340,7 +340,7 @@ impl Amp {
     /// are too. Nothing is written unless the whole file fits.
     pub fn load_weights(&self, path: impl AsRef<Path>, mode: LoadMode) -> Result<LoadReport> {
         let path = path.as_ref();
-        let file = map_safetensors(path)?;
+        let file = map_safetensors(&[path.to_path_buf()])?;
         let views = file.tensors();
         let dims: BTreeMap<String, Vec<usize>> = views.iter().map(|(k, v)| (k.clone(), v.shape().to_vec())).collect();
         let (missing, unexpected, shapes) = self.run.store.diff_names(dims.iter().map(|(k, d)| (k, d.as_slice())));

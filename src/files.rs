@@ -172,14 +172,18 @@ pub(crate) fn write_safetensors_atomic(tensors: &HashMap<String, Tensor>, path: 
     Ok(())
 }
 
-/// Memory-maps a safetensors file, with typed errors (`NotFound`, `Corrupt`).
-pub(crate) fn map_safetensors(path: &Path) -> Result<MmapedSafetensors> {
-    if let Err(e) = fs::metadata(path) {
-        return Err(AmpError::io(path, e));
+/// Memory-maps safetensors files as one set of named tensors (a tensor is read from the file
+/// that holds it), with typed errors (`NotFound`, `Corrupt`).
+pub(crate) fn map_safetensors(paths: &[std::path::PathBuf]) -> Result<MmapedSafetensors> {
+    for path in paths {
+        if let Err(e) = fs::metadata(path) {
+            return Err(AmpError::io(path, e));
+        }
     }
-    // SAFETY: the file is only read through the map. This crate never writes a file in
+    let first = paths.first().map(|p| p.as_path()).unwrap_or(Path::new(""));
+    // SAFETY: the files are only read through the maps. This crate never writes a file in
     // place (every file is written beside and renamed), so the mapped bytes do not change
-    // under us unless another program rewrites the file in place.
-    unsafe { MmapedSafetensors::new(path) }
-        .map_err(|e| AmpError::checkpoint(path, Kind::Corrupt, format!("not a safetensors file: {e}")))
+    // under us unless another program rewrites a file in place.
+    unsafe { MmapedSafetensors::multi(paths) }
+        .map_err(|e| AmpError::checkpoint(first, Kind::Corrupt, format!("not a safetensors file: {e}")))
 }

@@ -226,3 +226,168 @@ fn ranks_that_disagree_on_sharding_all_fail_before_training() {
         );
     }
 }
+
+/// Trains steps `from..to` of `data()` on this rank's shard (AdamW, dynamic loss scale,
+/// `sharding`), restoring `resume` first and saving to `save` at `to` with
+/// `DataParallel::save_checkpoint` (every rank; one process saves alone). Returns the
+/// working weights, each owned parameter's f32 value and the loss scale.
+fn span(
+    comm: Option<std::sync::Arc<dyn amp::distributed::Communicator>>,
+    level: OptLevel,
+    sharding: Sharding,
+    from: usize,
+    to: usize,
+    resume: Option<&std::path::Path>,
+    save: Option<&std::path::Path>,
+) -> Span {
+    let rank = comm.as_ref().map_or(0, |c| c.rank());
+    let world = comm.as_ref().map_or(1, |c| c.world_size());
+    let cfg = AmpConfig::new(level).seed(30 + rank as u64).verbosity(0);
+    let amp = amp::Amp::new(cfg, &Device::Cpu).unwrap();
+    let model = amp.model(|vb| Net::new(vb, false)).unwrap();
+    let adamw = amp::optim::AdamW::new(amp::optim::AdamWConfig {
+        lr: 1e-2,
+        ..Default::default()
+    })
+    .unwrap();
+    let mut opt = amp.optimizer(adamw).unwrap();
+    let ddp = comm.map(|c| DataParallel::sharded(&amp, c, Default::default(), sharding).unwrap());
+    if let Some(dir) = resume {
+        let ck = CheckpointDir::new(dir, 1).load().unwrap();
+        assert_eq!(ck.step(), from as u64);
+        ck.restore(&amp, &mut [&mut opt]).unwrap();
+    }
+    for (x, y) in data().into_iter().take(to).skip(from) {
+        let (x, y) = (shard(&x, rank, world), shard(&y, rank, world));
+        let loss = amp::ops::mse(
+            &model.forward(&x).unwrap().to_dtype(candle_core::DType::F32).unwrap(),
+            &y,
+        )
+        .unwrap();
+        amp.scale_loss(&loss, &mut opt).unwrap().backward().unwrap();
+        opt.step().unwrap();
+        opt.zero_grad();
+    }
+    if let Some(dir) = save {
+        let d = CheckpointDir::new(dir, 1);
+        match &ddp {
+            Some(ddp) => ddp.save_checkpoint(&d, &amp, &[&opt], to as u64, serde_json::Value::Null),
+            None => d.save(&amp, &[&opt], to as u64, serde_json::Value::Null),
+        }
+        .unwrap();
+    }
+    let owned = |n: &str| ddp.as_ref().and_then(|d| d.owner_of(n)).is_none_or(|r| r == rank);
+    // The optimizer state this rank holds: its own shard's only.
+    let state: Vec<String> = amp::testing::live_buffers(&amp, &[&opt])
+        .unwrap()
+        .into_iter()
+        .filter_map(|(n, _)| {
+            n.split_once(".state.")
+                .map(|(_, rest)| rest.rsplit_once('.').unwrap().0.to_string())
+        })
+        .collect();
+    for n in &state {
+        assert!(owned(n), "rank {rank} holds optimizer state of `{n}`, another rank's");
+    }
+    Span {
+        working: working_of(&amp),
+        owned: state_of(&amp).into_iter().filter(|(n, _)| owned(n)).collect(),
+        state,
+        scale: amp.loss_scale(0).unwrap(),
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+struct Span {
+    working: Vec<(String, Vec<u32>)>,
+    owned: Vec<(String, Vec<u32>)>,
+    /// The parameters this rank holds optimizer state of.
+    state: Vec<String>,
+    scale: f32,
+}
+
+/// Every rank's owned f32 values together (each parameter once), by name.
+fn all_owned(ranks: &[Span]) -> Vec<(String, Vec<u32>)> {
+    let mut all: Vec<(String, Vec<u32>)> = ranks.iter().flat_map(|s| s.owned.clone()).collect();
+    all.sort();
+    all.dedup();
+    all
+}
+
+#[test]
+fn a_sharded_checkpoint_resumes_bit_for_bit_on_the_same_ranks_and_at_any_world_size() {
+    let dir = std::env::temp_dir().join(format!("candle-amp-zero-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let half = STEPS / 2;
+    for level in [OptLevel::O2, OptLevel::O0] {
+        for stage in [Sharding::Stage1, Sharding::Stage2] {
+            let what = format!("{level} {stage}");
+            let _ = std::fs::remove_dir_all(&dir);
+            on_ranks(2, T, |c| span(Some(c), level, stage, 0, half, None, Some(&dir)));
+            // Each rank wrote its own shard's files.
+            let files = CheckpointDir::new(&dir, 1).latest_weight_files().unwrap();
+            assert_eq!(files.len(), 2, "{what}");
+            let straight = on_ranks(2, T, |c| span(Some(c), level, stage, 0, STEPS, None, None));
+            // The same ranks: bit for bit as training straight through.
+            let two = on_ranks(2, T, |c| span(Some(c), level, stage, half, STEPS, Some(&dir), None));
+            assert_eq!(two, straight, "{what}: resumed on 2 ranks");
+            // Three sharded ranks (or one process) restore exactly the saved state: every
+            // parameter's f32 value on its new owner, and the working weights.
+            let saved = on_ranks(2, T, |c| span(Some(c), level, stage, 0, half, None, None));
+            let three = on_ranks(3, T, |c| span(Some(c), level, stage, half, half, Some(&dir), None));
+            for r in &three {
+                assert_eq!(r.working, saved[0].working, "{what}: 3 ranks' working weights");
+            }
+            assert_eq!(all_owned(&three), all_owned(&saved), "{what}: 3 ranks' f32 values");
+            let one = span(None, level, Sharding::None, half, half, Some(&dir), None);
+            assert_eq!(one.working, saved[0].working, "{what}: one process");
+            assert_eq!(one.owned, all_owned(&saved), "{what}: one process's f32 values");
+            assert_eq!(one.scale, saved[0].scale, "{what}: loss scale");
+            // ... and one process trains on from there like the ranks (O0: up to f32 sums).
+            if level == OptLevel::O0 {
+                let one = span(None, level, Sharding::None, half, STEPS, Some(&dir), None);
+                for ((n, a), (_, b)) in one.owned.iter().zip(&all_owned(&straight)) {
+                    for (x, y) in a.iter().zip(b) {
+                        let (x, y) = (f32::from_bits(*x), f32::from_bits(*y));
+                        assert!((x - y).abs() <= 1e-5 * y.abs().max(1.0), "{what}: {n} {x} vs {y}");
+                    }
+                }
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_checkpoint_one_process_saved_loads_into_a_sharded_run() {
+    let dir = std::env::temp_dir().join(format!("candle-amp-zero-from-one-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let half = STEPS / 2;
+    let saved = span(None, OptLevel::O2, Sharding::None, 0, half, None, Some(&dir));
+    let plain = on_ranks(2, T, |c| {
+        span(Some(c), OptLevel::O2, Sharding::None, half, STEPS, Some(&dir), None)
+    });
+    for stage in [Sharding::Stage1, Sharding::Stage2] {
+        let restored = on_ranks(2, T, |c| {
+            span(Some(c), OptLevel::O2, stage, half, half, Some(&dir), None)
+        });
+        assert_eq!(all_owned(&restored), saved.owned, "{stage}: the restored f32 values");
+        let sharded = on_ranks(2, T, |c| {
+            span(Some(c), OptLevel::O2, stage, half, STEPS, Some(&dir), None)
+        });
+        for r in &sharded {
+            assert_eq!(
+                r.working, plain[0].working,
+                "{stage}: trained on like the unsharded ranks"
+            );
+        }
+        assert_eq!(all_owned(&sharded), all_owned(&plain), "{stage}");
+        // The ranks split the optimizer state between them.
+        assert!(
+            sharded
+                .iter()
+                .all(|r| !r.state.is_empty() && r.state.len() < saved.state.len())
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -39,6 +39,22 @@ pub struct CheckpointDir {
 /// The directory's lock, held while it lives (and released by the OS if the process dies).
 struct DirLock(#[allow(dead_code)] Option<File>);
 
+/// A version being written: the directory's lock, its number and its `.tmp` directory.
+pub(super) struct NewVersion {
+    _lock: DirLock,
+    pub(super) n: u64,
+    /// Whether the clean-up found `LATEST` damaged (the commit then says what it names now).
+    damaged_latest: bool,
+    pub(super) tmp_dir: PathBuf,
+}
+
+impl NewVersion {
+    /// Removes the `.tmp` directory of a save that failed (the next save would anyway).
+    pub(super) fn abandon(self) {
+        let _ = fs::remove_dir_all(&self.tmp_dir);
+    }
+}
+
 impl CheckpointDir {
     /// Checkpoints under `root`, keeping the last `keep` (at least 1).
     pub fn new(root: impl Into<PathBuf>, keep: usize) -> Self {
@@ -79,11 +95,34 @@ impl CheckpointDir {
 
     /// The path of the committed version's f32 weights (loadable into a plain candle
     /// `VarMap` of the same architecture).
+    /// A sharded version (written by the ranks of a ZeRO run) has one weights file per rank:
+    /// that is a [`Kind::Mismatch`] here, and [`latest_weight_files`](Self::latest_weight_files)
+    /// lists them.
     pub fn latest_weights(&self) -> Result<PathBuf> {
+        let mut files = self.latest_weight_files()?;
+        if files.len() != 1 {
+            return Err(AmpError::checkpoint(
+                &self.root,
+                Kind::Mismatch,
+                format!(
+                    "the committed version is sharded: its f32 weights are in {} files (latest_weight_files lists \
+                     them; a candle VarMap loads each in turn)",
+                    files.len()
+                ),
+            ));
+        }
+        Ok(files.remove(0))
+    }
+
+    /// The paths of the committed version's f32 weights: one file, or one per rank that
+    /// wrote a sharded version (each parameter in exactly one of them).
+    pub fn latest_weight_files(&self) -> Result<Vec<PathBuf>> {
         let c = self
             .committed()?
             .ok_or_else(|| AmpError::checkpoint(&self.root, Kind::NotFound, "no checkpoint has been saved here"))?;
-        Ok(self.root.join(version_name(c.version)).join(WEIGHTS))
+        let dir = self.root.join(version_name(c.version));
+        let shards = self.read_manifest(c.version)?.shards;
+        Ok(super::tensor_files(shards).0.into_iter().map(|f| dir.join(f)).collect())
     }
 
     /// Saves the live run (weights, every optimizer's state in the order given, scalers,
@@ -150,32 +189,56 @@ impl CheckpointDir {
         buffers: &[(String, Source<'_>)],
         state: &StateFile,
     ) -> Result<PathBuf> {
+        let v = self.begin_version()?;
+        let written = (|| {
+            write_sources(weights, &v.tmp_dir.join(WEIGHTS))?;
+            write_sources(buffers, &v.tmp_dir.join(BUFFERS))
+        })();
+        if let Err(e) = written {
+            v.abandon();
+            return Err(e);
+        }
+        self.finish_version(v, state, None)
+    }
+
+    /// Takes the lock, cleans up, numbers the new version and makes its `.tmp` directory.
+    pub(super) fn begin_version(&self) -> Result<NewVersion> {
         fs::create_dir_all(&self.root).map_err(|e| AmpError::io(&self.root, e))?;
-        let _lock = self.lock_exclusive()?;
+        let lock = self.lock_exclusive()?;
         // The number is taken before the clean-up removes leftovers: none is ever reused.
         let n = self.scan()?.highest + 1;
         let committed = self.clean_up_locked()?;
-        let name = version_name(n);
-        let tmp_dir = self.root.join(format!("{name}.tmp"));
+        let tmp_dir = self.root.join(format!("{}.tmp", version_name(n)));
         fs::create_dir(&tmp_dir).map_err(|e| AmpError::io(&tmp_dir, e))?;
+        Ok(NewVersion {
+            _lock: lock,
+            n,
+            damaged_latest: committed.is_some_and(|c| c.note.is_some()),
+            tmp_dir,
+        })
+    }
 
-        write_sources(weights, &tmp_dir.join(WEIGHTS))?;
-        write_sources(buffers, &tmp_dir.join(BUFFERS))?;
-        let bytes = serde_json::to_vec(state).map_err(|e| AmpError::checkpoint(&tmp_dir, Kind::Io, e.to_string()))?;
+    /// Writes the state and the manifest of a version whose tensor files are written
+    /// (`shards`: the ranks that wrote a sharded one), renames it into place, commits it and
+    /// prunes old versions.
+    pub(super) fn finish_version(&self, v: NewVersion, state: &StateFile, shards: Option<usize>) -> Result<PathBuf> {
+        let tmp_dir = &v.tmp_dir;
+        let bytes = serde_json::to_vec(state).map_err(|e| AmpError::checkpoint(tmp_dir, Kind::Io, e.to_string()))?;
         write_synced(&tmp_dir.join(STATE), &bytes)?;
-        write_manifest(&tmp_dir, state.step)?;
-        fsync_dir(&tmp_dir)?;
+        write_manifest(tmp_dir, state.step, shards)?;
+        fsync_dir(tmp_dir)?;
 
+        let name = version_name(v.n);
         let final_dir = self.root.join(&name);
-        fs::rename(&tmp_dir, &final_dir).map_err(|e| AmpError::io(&final_dir, e))?;
+        fs::rename(tmp_dir, &final_dir).map_err(|e| AmpError::io(&final_dir, e))?;
         fsync_dir(&self.root)?;
         self.commit(&name)?;
-        if committed.is_some_and(|c| c.note.is_some()) {
+        if v.damaged_latest {
             log::warn!("{} now names {name}", self.root.join(LATEST).display());
         }
 
         // The checkpoint is committed: a failure to prune old versions is not a failed save.
-        if let Err(e) = self.prune(n) {
+        if let Err(e) = self.prune(v.n) {
             log::warn!(
                 "checkpoint {} saved, but old versions could not be removed: {e}",
                 final_dir.display()

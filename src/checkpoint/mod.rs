@@ -41,6 +41,7 @@
 
 mod dir;
 mod scan;
+mod sharded;
 mod verify;
 
 use std::collections::BTreeMap;
@@ -72,8 +73,32 @@ pub use dir::CheckpointDir;
 
 /// Tensors to write, by name.
 type NamedSources = Vec<(String, Source<'static>)>;
-/// The files of a version, each listed in its manifest with size and CRC-32.
-const FILES: [&str; 3] = [WEIGHTS, BUFFERS, STATE];
+/// The name of rank `rank`'s file of a sharded version: `weights.safetensors` becomes
+/// `weights-00001-of-00002.safetensors` (as sharded safetensors are named elsewhere).
+fn shard_file(file: &str, rank: usize, world: usize) -> String {
+    let stem = file.strip_suffix(".safetensors").unwrap_or(file);
+    format!("{stem}-{rank:05}-of-{world:05}.safetensors")
+}
+
+/// The tensor files of a version: one weights and one optimizer file, or, written by the
+/// `shards` ranks of a ZeRO run, one of each per rank.
+fn tensor_files(shards: Option<usize>) -> (Vec<String>, Vec<String>) {
+    match shards {
+        None => (vec![WEIGHTS.to_string()], vec![BUFFERS.to_string()]),
+        Some(n) => (
+            (0..n).map(|r| shard_file(WEIGHTS, r, n)).collect(),
+            (0..n).map(|r| shard_file(BUFFERS, r, n)).collect(),
+        ),
+    }
+}
+
+/// Every file of a version, each listed in its manifest with size and CRC-32.
+fn version_files(shards: Option<usize>) -> Vec<String> {
+    let (mut files, buffers) = tensor_files(shards);
+    files.extend(buffers);
+    files.push(STATE.to_string());
+    files
+}
 
 /// One optimizer's state without its buffers (those are tensors in `optimizer.safetensors`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

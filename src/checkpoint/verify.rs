@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use super::scan::version_name;
 use super::{
-    BUFFERS, Checkpoint, CheckpointDir, FILES, FORMAT, MANIFEST, STATE, StateFile, Tensors, WEIGHTS, buffer_key,
+    Checkpoint, CheckpointDir, FORMAT, MANIFEST, STATE, StateFile, Tensors, buffer_key, tensor_files, version_files,
 };
 use crate::amp::STATE_FORMAT_VERSION;
 use crate::error::{AmpError, CheckpointErrorKind as Kind, Result};
@@ -30,12 +30,17 @@ pub(super) struct Manifest {
     format_version: u32,
     step: u64,
     files: Vec<FileEntry>,
+    /// The ranks that wrote a sharded version (one weights and one optimizer file each);
+    /// absent for a version written by one process.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) shards: Option<usize>,
 }
 
 /// Writes (and syncs) the manifest of the version being written in `dir`: the size and
-/// CRC-32 of each of its files, read back from the disk.
-pub(super) fn write_manifest(dir: &Path, step: u64) -> Result<()> {
-    let files = FILES
+/// CRC-32 of each of its files, read back from the disk (`shards`: the ranks that wrote a
+/// sharded version).
+pub(super) fn write_manifest(dir: &Path, step: u64, shards: Option<usize>) -> Result<()> {
+    let files = version_files(shards)
         .iter()
         .map(|f| {
             let (bytes, crc32) = crc_of(&dir.join(f))?;
@@ -51,16 +56,16 @@ pub(super) fn write_manifest(dir: &Path, step: u64) -> Result<()> {
         format_version: STATE_FORMAT_VERSION,
         step,
         files,
+        shards,
     };
     let bytes = serde_json::to_vec_pretty(&manifest).map_err(|e| AmpError::checkpoint(dir, Kind::Io, e.to_string()))?;
     write_synced(&dir.join(MANIFEST), &bytes)
 }
 
 impl CheckpointDir {
-    /// Verifies one version's manifest and every file's size and checksum.
-    pub(super) fn verify(&self, v: u64) -> Result<Manifest> {
-        let dir = self.root.join(version_name(v));
-        let mpath = dir.join(MANIFEST);
+    /// Reads one version's manifest and checks its format (no file is read).
+    pub(super) fn read_manifest(&self, v: u64) -> Result<Manifest> {
+        let mpath = self.root.join(version_name(v)).join(MANIFEST);
         let mbytes = fs::read(&mpath).map_err(|e| match e.kind() {
             std::io::ErrorKind::NotFound => AmpError::checkpoint(&mpath, Kind::MissingFile, "the manifest is missing"),
             _ => AmpError::io(&mpath, e),
@@ -98,11 +103,26 @@ impl CheckpointDir {
                 ),
             ));
         }
-        for name in FILES {
+        Ok(manifest)
+    }
+
+    /// Verifies one version's manifest and every file's size and checksum.
+    pub(super) fn verify(&self, v: u64) -> Result<Manifest> {
+        let dir = self.root.join(version_name(v));
+        let mpath = dir.join(MANIFEST);
+        let manifest = self.read_manifest(v)?;
+        if manifest.shards == Some(0) {
+            return Err(AmpError::checkpoint(
+                &mpath,
+                Kind::Corrupt,
+                "a sharded version of 0 ranks",
+            ));
+        }
+        for name in version_files(manifest.shards) {
             let entry = manifest.files.iter().find(|f| f.name == name).ok_or_else(|| {
                 AmpError::checkpoint(&mpath, Kind::Corrupt, format!("the manifest does not list {name}"))
             })?;
-            let p = dir.join(name);
+            let p = dir.join(&name);
             let (bytes, crc) = crc_of(&p)?;
             if bytes < entry.bytes {
                 return Err(AmpError::checkpoint(
@@ -141,8 +161,10 @@ impl CheckpointDir {
                 "the manifest and the state disagree on the step",
             ));
         }
-        let weights = Arc::new(map_safetensors(&dir.join(WEIGHTS))?);
-        let buffers = Arc::new(map_safetensors(&dir.join(BUFFERS))?);
+        let (wfiles, bfiles) = tensor_files(manifest.shards);
+        let paths = |files: &[String]| files.iter().map(|f| dir.join(f)).collect::<Vec<_>>();
+        let weights = Arc::new(map_safetensors(&paths(&wfiles))?);
+        let buffers = Arc::new(map_safetensors(&paths(&bfiles))?);
         // Every buffer the state lists must be there, with a floating type.
         for (i, r) in state.optimizers.iter().enumerate() {
             for (name, (_, bufs)) in &r.params {
@@ -153,7 +175,7 @@ impl CheckpointDir {
                         .is_ok_and(|t| DType::try_from(t.dtype()).is_ok_and(|d| d.is_float()));
                     if !ok {
                         return Err(AmpError::checkpoint(
-                            dir.join(BUFFERS),
+                            dir.join(&bfiles[0]),
                             Kind::Corrupt,
                             format!("optimizer buffer `{k}` is missing or not a floating tensor"),
                         ));

@@ -53,6 +53,14 @@ pub trait StepReducer: Send + Sync {
         Ok(())
     }
 
+    /// Whether this process keeps the f32 master and optimizer state of parameter `name`:
+    /// false for another rank's shard under ZeRO (loading a checkpoint then drops that
+    /// parameter's optimizer state here). The default is true.
+    fn keeps(&self, name: &str) -> bool {
+        let _ = name;
+        true
+    }
+
     /// This process's rank when it holds only a shard of the run's f32 master weights and
     /// optimizer state (ZeRO), else `None` (the default). Calls that need all of it on one
     /// process (`Amp::state_dict`, checkpoints, `AmpOptimizer::state_dict`,

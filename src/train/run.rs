@@ -157,8 +157,8 @@ impl RunState {
                 kind: crate::error::DistErrorKind::Sharded,
                 detail: format!(
                     "{call} needs every parameter's f32 master and optimizer state, and this rank of a ZeRO-sharded \
-                     run holds its own shard only; sharded checkpoints are not written yet: train with \
-                     Sharding::None to save checkpoints"
+                     run holds its own shard only: save checkpoints with DataParallel::save_checkpoint, called on \
+                     every rank, which writes each rank's shard"
                 ),
             }),
         }

@@ -83,6 +83,8 @@ impl AmpOptimizer {
 
     /// [`load_state_dict`](Self::load_state_dict) by value: the algorithm frees each saved
     /// buffer as it takes it in ([`Optimizer::load_state`]).
+    /// Loads `state` (checked first); on a rank of a sharded run only its own shard's
+    /// per-parameter state is kept.
     pub(crate) fn load_state(&mut self, state: AmpOptimizerState) -> Result<()> {
         self.check_state(&state)?;
         let AmpOptimizerState {
@@ -92,6 +94,11 @@ impl AmpOptimizer {
             skipped_steps,
             consecutive_skips,
         } = state;
+        let mut algorithm = algorithm;
+        // A rank of a sharded run keeps its own shard's state only.
+        if let Some(reducer) = self.run.step_reducer() {
+            algorithm.params.retain(|name, _| reducer.keeps(name));
+        }
         self.algo.load_state(algorithm)?;
         self.zero_grad();
         for (g, (_, h)) in self.groups.iter_mut().zip(&groups) {
@@ -100,6 +107,23 @@ impl AmpOptimizer {
         self.steps = steps;
         self.skipped = skipped_steps;
         self.consecutive_skips = consecutive_skips;
+        Ok(())
+    }
+}
+
+impl AmpOptimizer {
+    /// Drops the algorithm's state of parameters another rank owns: a run made sharded
+    /// after this optimizer had stepped or loaded state (the first step's reduction calls it).
+    pub(crate) fn drop_foreign_state(&mut self, reducer: &dyn crate::train::reduce::StepReducer) -> Result<()> {
+        if reducer.shard_rank().is_none() {
+            return Ok(());
+        }
+        let foreign = self.algo.buffers()?.iter().any(|b| !reducer.keeps(&b.param));
+        if foreign {
+            let mut state = self.algo.state_dict()?;
+            state.params.retain(|name, _| reducer.keeps(name));
+            self.algo.load_state(state)?;
+        }
         Ok(())
     }
 }

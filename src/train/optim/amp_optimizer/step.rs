@@ -56,6 +56,7 @@ impl AmpOptimizer {
         let mut grads = self.grads.clone();
         let mut nonfinite = Vec::new();
         let mut checked = false;
+        self.drop_foreign_state(&*reducer)?;
         reducer.reduce_step(crate::train::reduce::StepGrads {
             params,
             grads: &mut grads,

@@ -1,0 +1,150 @@
+//! ZeRO's memory, measured. Per rank, the f32 master weights and the optimizer state of a
+//! sharded run (the tensors the rank holds) come to at most `1/N + 5%` of the unsharded
+//! run's, at N = 2 and 4, for stage 1 and stage 2; and a counting global allocator (so this
+//! test binary holds this one test only) sees the process, all `LocalGroup` ranks together,
+//! hold `N - 1` copies of the masters and state fewer than the unsharded ranks, measured
+//! while every rank is at the same point after its steps.
+
+mod common;
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicIsize, Ordering};
+use std::time::Duration;
+
+use candle_amp::distributed::{DataParallel, Sharding};
+use candle_amp::optim::{AdamW, AdamWConfig};
+use candle_amp::{self as amp, AmpConfig, OptLevel};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{Module, VarBuilder};
+
+struct Counting;
+
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        LIVE.fetch_add(l.size() as isize, Ordering::Relaxed);
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        LIVE.fetch_sub(l.size() as isize, Ordering::Relaxed);
+        unsafe { System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
+        LIVE.fetch_add(new as isize - l.size() as isize, Ordering::Relaxed);
+        unsafe { System.realloc(p, l, new) }
+    }
+}
+
+#[global_allocator]
+static A: Counting = Counting;
+
+const WIDTH: usize = 64;
+const LAYERS: usize = 8;
+
+/// Eight equal linear layers: a whole-parameter partition splits them evenly over 2 and 4
+/// ranks (the partition balances within the largest parameter).
+struct Stack(Vec<amp::nn::Linear>);
+
+impl Stack {
+    fn new(vb: VarBuilder) -> candle_core::Result<Self> {
+        let layers = (0..LAYERS)
+            .map(|i| amp::nn::linear(WIDTH, WIDTH, vb.pp(format!("l{i}"))))
+            .collect::<candle_core::Result<_>>()?;
+        Ok(Self(layers))
+    }
+}
+
+impl Module for Stack {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let mut h = x.clone();
+        for l in &self.0 {
+            h = amp::ops::relu(&l.forward(&h)?)?;
+        }
+        Ok(h)
+    }
+}
+
+/// After three O2 AdamW steps (the gradients freed): the bytes of the masters and optimizer
+/// state this rank holds, those of the unsharded run's, and (rank 0) the process's live
+/// bytes while every rank is there.
+fn held_after_steps(
+    c: std::sync::Arc<dyn amp::distributed::Communicator>,
+    sharding: Sharding,
+) -> (usize, usize, isize) {
+    let rank = c.rank();
+    let cfg = AmpConfig::new(OptLevel::O2).seed(3).verbosity(0);
+    let amp = amp::Amp::new(cfg, &Device::Cpu).unwrap();
+    let model = amp.model(Stack::new).unwrap();
+    let mut opt = amp.optimizer(AdamW::new(AdamWConfig::default()).unwrap()).unwrap();
+    let ddp = DataParallel::sharded(&amp, c, Default::default(), sharding).unwrap();
+    let x = Tensor::ones((4, WIDTH), DType::F32, &Device::Cpu).unwrap();
+    for _ in 0..3 {
+        let y = model.forward(&x).unwrap().to_dtype(DType::F32).unwrap();
+        let loss = y.sqr().unwrap().mean_all().unwrap();
+        amp.scale_loss(&loss, &mut opt).unwrap().backward().unwrap();
+        opt.step().unwrap();
+        opt.zero_grad_set_to_none();
+    }
+    // What the unsharded run's masters and state take: f32 master + two f32 moments per
+    // trained element (the sharded ranks count their own shard only).
+    let elems: usize = amp.store().params().iter().map(|p| p.working().elem_count()).sum();
+    let whole = elems * 4 * 3;
+    let mine: usize = amp::testing::live_buffers(&amp, &[&opt])
+        .unwrap()
+        .iter()
+        .filter(|(n, _)| n.starts_with("master.") || n.contains(".state."))
+        .map(|(n, t)| {
+            if sharding.is_sharded() {
+                let param = match n.strip_prefix("master.") {
+                    Some(p) => p,
+                    None => n.split_once(".state.").unwrap().1.rsplit_once('.').unwrap().0,
+                };
+                assert_eq!(ddp.owner_of(param), Some(rank), "rank {rank} holds {n}");
+            }
+            t.elem_count() * 4
+        })
+        .sum();
+    ddp.barrier().unwrap();
+    let live = LIVE.load(Ordering::SeqCst);
+    ddp.barrier().unwrap();
+    drop((model, opt, ddp, amp));
+    (mine, whole, live)
+}
+
+#[test]
+fn each_rank_holds_its_share_of_the_masters_and_optimizer_state() {
+    for world in [2, 4] {
+        let plain = common::on_ranks(world, Duration::from_secs(60), |c| held_after_steps(c, Sharding::None));
+        let whole = plain[0].1;
+        assert!(plain.iter().all(|r| r.0 == whole), "unsharded, every rank holds it all");
+        for stage in [Sharding::Stage1, Sharding::Stage2] {
+            let sharded = common::on_ranks(world, Duration::from_secs(60), |c| held_after_steps(c, stage));
+            let limit = whole as f64 * (1.0 / world as f64 + 0.05);
+            for (rank, (mine, _, _)) in sharded.iter().enumerate() {
+                eprintln!(
+                    "{stage}, {world} ranks, rank {rank}: masters and optimizer state {mine} of {whole} bytes ({:.3})",
+                    *mine as f64 / whole as f64
+                );
+                assert!(
+                    *mine as f64 <= limit,
+                    "{stage} {world} ranks, rank {rank}: {mine} > {limit} bytes"
+                );
+            }
+            assert_eq!(
+                sharded.iter().map(|r| r.0).sum::<usize>(),
+                whole,
+                "each byte on one rank"
+            );
+            // The process holds N - 1 copies fewer (within 5% of one copy: allocator slack,
+            // the ranks' other buffers).
+            let saved = plain[0].2 - sharded[0].2;
+            let expect = ((world - 1) * whole) as isize;
+            eprintln!("{stage}, {world} ranks: the process holds {saved} bytes fewer (N - 1 copies: {expect})");
+            assert!(
+                (saved - expect).abs() as f64 <= 0.05 * whole as f64,
+                "{stage} {world} ranks: {saved} bytes saved, expected {expect}"
+            );
+        }
+    }
+}
