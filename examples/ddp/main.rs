@@ -5,19 +5,22 @@
 //! cargo build --release --features mpi --example ddp
 //! mpirun -np 2 target/release/examples/ddp [--opt-level O0|O1|O2|O3]... [--half f16|bf16]
 //!     [--data FILE.csv] [--steps N] [--seed N] [--batch N] [--bucket-kb N] [--timeout SECS] [--json]
-//!     [--save DIR] [--resume DIR] [--report DIR]
+//!     [--sharding none|1|2] [--save DIR] [--resume DIR] [--report DIR]
 //! ```
 //!
 //! Run without a launcher it prints how to launch it. The flags are the `train` example's
 //! (the model is the MLP); `--batch` is the global batch (128), split evenly over the ranks;
 //! `--bucket-kb` the gradient bucket size (25 MiB, PyTorch's default); `--timeout` how long a
-//! rank waits for the others before failing (300 s).
+//! rank waits for the others before failing (300 s); `--sharding 1` or `2` shards the f32
+//! master weights and optimizer state over the ranks (ZeRO stage 1 or 2; `none` by default).
 //! Rank 0 alone prints the table, progress and JSON lines and writes checkpoints and
 //! reports; the JSON lines carry `world_size`, `global_batch`, `comm_ms` (the median time
 //! per step of the gradient all-reduce), and its two parts `comm_wait_ms` (waiting in the
 //! step's first collective for the slowest rank's backward) and `comm_transfer_ms` (the
-//! gradient buckets after it) beside the `train` example's keys. A checkpoint
-//! written on one number of ranks resumes on any other.
+//! gradient buckets after it) beside the `train` example's keys, and `sharding`,
+//! `comm_gather_ms` (the all-gather of the updated weights of a sharded run) and
+//! `master_state_bytes` (rank 0's f32 masters and optimizer state). A checkpoint
+//! written on one number of ranks resumes on any other, sharded or not.
 
 #[path = "../train/cli.rs"]
 mod cli;
@@ -36,7 +39,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use candle_amp as amp;
 use candle_amp::checkpoint::CheckpointDir;
-use candle_amp::distributed::{Communicator, DataParallel, DataParallelConfig, DistributedSampler, MpiComm};
+use candle_amp::distributed::{Communicator, DataParallel, DataParallelConfig, DistributedSampler, MpiComm, Sharding};
 use candle_core::{DType, Device};
 
 use cli::{adamw, check_writable, half_label, rows, weight_dtype};
@@ -58,11 +61,12 @@ struct Args {
     save: Option<String>,
     resume: Option<String>,
     report: Option<String>,
+    sharding: Sharding,
 }
 
 fn usage() -> &'static str {
     "usage: mpirun -np N ddp [--opt-level O0|O1|O2|O3]... [--half f16|bf16] [--data FILE.csv] \
-     [--steps N] [--seed N] [--batch N] [--bucket-kb N] [--timeout SECS] [--json] [--save DIR] [--resume DIR] [--report DIR]"
+     [--steps N] [--seed N] [--batch N] [--bucket-kb N] [--timeout SECS] [--json] [--sharding none|1|2] [--save DIR] [--resume DIR] [--report DIR]"
 }
 
 fn launch_help(program: &str) -> String {
@@ -97,6 +101,7 @@ fn parse_args() -> Result<Args> {
         save: None,
         resume: None,
         report: None,
+        sharding: Sharding::None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -117,6 +122,14 @@ fn parse_args() -> Result<Args> {
             "--timeout" => a.timeout = value()?.parse().context("--timeout takes whole seconds")?,
             "--bucket-kb" => a.bucket_kb = value()?.parse().context("--bucket-kb takes a positive integer")?,
             "--json" => a.json = true,
+            "--sharding" => {
+                a.sharding = match value()?.to_ascii_lowercase().as_str() {
+                    "none" | "0" => Sharding::None,
+                    "1" | "zero1" | "zero-1" => Sharding::Stage1,
+                    "2" | "zero2" | "zero-2" => Sharding::Stage2,
+                    other => bail!("--sharding takes none, 1 or 2 (ZeRO stage), got {other:?}"),
+                }
+            }
             "--save" => a.save = Some(value()?),
             "--resume" => a.resume = Some(value()?),
             "--report" => a.report = Some(value()?),
@@ -169,6 +182,8 @@ struct RunResult {
     comm_ms: f64,
     comm_wait_ms: f64,
     comm_transfer_ms: f64,
+    comm_gather_ms: f64,
+    master_state_bytes: usize,
     autocast_ops: usize,
     progress: Progress,
 }
@@ -236,12 +251,13 @@ fn train_one(comm: &Arc<dyn Communicator>, d: &Data, level: amp::OptLevel, a: &A
         Ok(progress)
     })();
     let mut progress = agree(comm, "resuming", resumed)?;
-    let ddp = DataParallel::new(
+    let ddp = DataParallel::sharded(
         &amp,
         comm.clone(),
         DataParallelConfig {
             bucket_bytes: a.bucket_kb << 10,
         },
+        a.sharding,
     )?;
 
     let per_rank = a.batch.div_ceil(world);
@@ -322,16 +338,15 @@ fn train_one(comm: &Arc<dyn Communicator>, d: &Data, level: amp::OptLevel, a: &A
         pb.finish_and_clear();
     }
     if let Some(root) = &a.save {
-        // Rank 0 writes; the others wait until the checkpoint is complete.
-        if main {
-            run_dir(root, level, a.half).save(
-                &amp,
-                &[&opt],
-                progress.losses.len() as u64,
-                serde_json::to_value(&progress)?,
-            )?;
-        }
-        ddp.barrier()?;
+        // Every rank calls it: rank 0 writes (a sharded run: each rank its shard) and every
+        // rank returns once the checkpoint is committed.
+        ddp.save_checkpoint(
+            &run_dir(root, level, a.half),
+            &amp,
+            &[&opt],
+            progress.losses.len() as u64,
+            serde_json::to_value(&progress)?,
+        )?;
     }
 
     let losses = &progress.losses;
@@ -356,6 +371,8 @@ fn train_one(comm: &Arc<dyn Communicator>, d: &Data, level: amp::OptLevel, a: &A
         comm_ms: ddp.comm_ms(),
         comm_wait_ms: ddp.comm_wait_ms(),
         comm_transfer_ms: ddp.comm_transfer_ms(),
+        comm_gather_ms: ddp.comm_gather_ms(),
+        master_state_bytes: amp.store().master_bytes() + opt.state_bytes()?,
         autocast_ops: amp.autocast_ops(),
         progress,
     })
@@ -407,7 +424,7 @@ fn main() -> Result<()> {
     let d = agree(&comm, "preparing", prepared)?;
 
     let mut table = format!(
-        "{:<6} {:<5} {:<6} {:>5} {:>10} {:>10} {:>9} {:>8} {:>12} {:>8} {:>8} {:>8} {:>8}\n",
+        "{:<6} {:<5} {:<6} {:>5} {:>10} {:>10} {:>9} {:>8} {:>12} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9}\n",
         "level",
         "half",
         "params",
@@ -420,7 +437,9 @@ fn main() -> Result<()> {
         "step_ms",
         "comm_ms",
         "wait_ms",
-        "xfer_ms"
+        "xfer_ms",
+        "gath_ms",
+        "state_kb"
     );
     let mut runs = Vec::new();
     for &level in &a.levels {
@@ -444,6 +463,9 @@ fn main() -> Result<()> {
                 "comm_ms": r.comm_ms,
                 "comm_wait_ms": r.comm_wait_ms,
                 "comm_transfer_ms": r.comm_transfer_ms,
+                "sharding": a.sharding.to_string(),
+                "comm_gather_ms": r.comm_gather_ms,
+                "master_state_bytes": r.master_state_bytes,
             });
             if level == amp::OptLevel::O1 {
                 line["autocast_ops"] = r.autocast_ops.into();
@@ -451,7 +473,7 @@ fn main() -> Result<()> {
             println!("{line}");
         }
         table.push_str(&format!(
-            "{:<6} {:<5} {:<6} {:>5} {:>10.4} {:>10.4} {:>8.2}% {:>8} {:>12} {:>8.3} {:>8.3} {:>8.3} {:>8.3}\n",
+            "{:<6} {:<5} {:<6} {:>5} {:>10.4} {:>10.4} {:>8.2}% {:>8} {:>12} {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>9.1}\n",
             level.to_string(),
             half_label(level, a.half),
             r.param_dtype.as_str(),
@@ -464,7 +486,9 @@ fn main() -> Result<()> {
             r.step_ms,
             r.comm_ms,
             r.comm_wait_ms,
-            r.comm_transfer_ms
+            r.comm_transfer_ms,
+            r.comm_gather_ms,
+            r.master_state_bytes as f64 / 1024.0
         ));
         runs.push((level, r));
     }

@@ -299,6 +299,17 @@ impl ParamStore {
         n
     }
 
+    /// The bytes of the f32 masters this process holds (O2: one per trainable half
+    /// parameter; on a rank of a ZeRO-sharded run, its own shard's only).
+    pub fn master_bytes(&self) -> usize {
+        self.lock()
+            .params
+            .iter()
+            .filter_map(|p| p.master.as_ref())
+            .map(|m| m.elem_count() * m.dtype().size_in_bytes())
+            .sum()
+    }
+
     /// Frees a parameter's f32 master: a rank of a ZeRO-sharded run keeps the masters of its
     /// own shard only, and receives the other parameters' working values from their owners.
     /// The parameter then reads as its working value ([`Param::f32_value`]). Returns whether

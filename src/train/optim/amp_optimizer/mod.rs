@@ -399,6 +399,20 @@ impl AmpOptimizer {
             .collect()
     }
 
+    /// The bytes of the algorithm's per-parameter state this process holds (AdamW: two f32
+    /// moments per trained element; plain SGD: none). On a rank of a ZeRO-sharded run, its
+    /// own shard's only.
+    pub fn state_bytes(&self) -> Result<usize> {
+        Ok(self
+            .algo
+            .state_view()?
+            .params
+            .values()
+            .flat_map(|ps| ps.buffers.values())
+            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+            .sum())
+    }
+
     /// Every tensor this optimizer keeps between calls, named: the master gradients, the
     /// spare buffers the next backward unscales into, and the algorithm's state (its
     /// `state_dict`: device tensors as they are kept, host buffers as copies, which share
