@@ -101,6 +101,26 @@ fn a_sharded_run_steps_bit_for_bit_like_the_unsharded_one_with_grad_scaler_and_a
 }
 
 #[test]
+fn a_sharded_run_on_the_device_path_steps_bit_for_bit_like_the_unsharded_one() {
+    // The device path forced on the CPU: gradients, flags and clipping as device tensors.
+    let device = |adamw: bool, clip: Option<f64>| Extras {
+        adamw,
+        clip,
+        device_path: true,
+        ..Default::default()
+    };
+    check_sharded(2, OptLevel::O2, HalfType::F16, Api::Guard, device(true, Some(0.05)));
+    check_sharded(
+        2,
+        OptLevel::O0,
+        HalfType::F16,
+        Api::ScalerAccumulating,
+        device(true, Some(0.05)),
+    );
+    check_sharded(3, OptLevel::O3, HalfType::Bf16, Api::Guard, device(false, None));
+}
+
+#[test]
 fn three_ranks_shard_unevenly_and_still_step_like_the_unsharded_run() {
     let adamw = Extras {
         adamw: true,

@@ -31,8 +31,9 @@ pub enum Sharding {
     Stage1,
     /// ZeRO stage 2: stage 1, and the gradients are reduce-scattered instead of all-reduced
     /// (half the traffic): each rank receives the average of its shard only, checks it, and
-    /// the ranks agree on the verdict in one small sum. The f32 gradients of the other
-    /// shards are freed after the reduction instead of being kept for the next backward.
+    /// the ranks agree on the verdict in one small sum. On the device path (NCCL) the
+    /// gradients are all-reduced as in stage 1 (the `Communicator` has no reduce-scatter of
+    /// device tensors): the results are the same, the traffic is stage 1's.
     Stage2,
 }
 
@@ -111,9 +112,8 @@ pub(crate) fn trainable_sizes(store: &ParamStore) -> Vec<(String, usize)> {
         .collect()
 }
 
-/// A tensor's values as little-endian bytes of its own type.
+/// A flat tensor's values as little-endian bytes of its own type (one read of the tensor).
 fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
-    let t = t.flatten_all()?;
     Ok(match t.dtype() {
         DType::F32 => t.to_vec1::<f32>()?.iter().flat_map(|v| v.to_le_bytes()).collect(),
         DType::F16 => t
@@ -139,35 +139,61 @@ fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
 /// After a step: every rank sends the working values of the parameters of `params` it owns
 /// (in `params`' order, in their working type) and writes the other ranks' into its own
 /// working Vars. One all-gather of equal blocks (the largest rank's bytes; the others
-/// padded).
+/// padded). This rank's values are read in one transfer per working type (on a device: one
+/// synchronisation each); returns how many.
 pub(crate) fn gather_working(
     comm: &dyn Communicator,
     store: &ParamStore,
     shards: &Shards,
     params: &[(String, Vec<usize>)],
-) -> Result<()> {
+) -> Result<u64> {
     let world = comm.world_size();
     let me = comm.rank();
     // Bytes per rank, from the shapes and the working type (the same on every rank).
     let mut lens = vec![0usize; world];
-    let mut mine = Vec::new();
     let mut entries = Vec::new();
     for (name, dims) in params {
         let (Some(r), Some(p)) = (shards.owner(name), store.param(name)) else {
             continue;
         };
         let bytes = dims.iter().product::<usize>() * p.working().dtype().size_in_bytes();
-        if r == me {
-            mine.extend(tensor_bytes(p.working())?);
-        }
         entries.push((r, lens[r], bytes, p));
         lens[r] += bytes;
     }
     let block = lens.iter().copied().max().unwrap_or(0);
     if block == 0 {
-        return Ok(());
+        return Ok(0);
     }
-    mine.resize(block, 0);
+    // This rank's values, one flat tensor (one read) per working type, in order.
+    let mut by_type: Vec<(DType, Vec<Tensor>)> = Vec::new();
+    for (r, _, _, p) in &entries {
+        if *r != me {
+            continue;
+        }
+        let w = p.working().flatten_all()?;
+        match by_type.iter_mut().find(|(d, _)| *d == w.dtype()) {
+            Some((_, v)) => v.push(w),
+            None => by_type.push((w.dtype(), vec![w])),
+        }
+    }
+    let mut read = Vec::with_capacity(by_type.len());
+    for (_, parts) in &by_type {
+        read.push(tensor_bytes(&Tensor::cat(parts, 0)?)?);
+    }
+    let reads = read.len() as u64;
+    let mut mine = vec![0u8; block];
+    let mut taken = vec![0usize; by_type.len()];
+    for (r, at, len, p) in &entries {
+        if *r != me {
+            continue;
+        }
+        let k = by_type
+            .iter()
+            .position(|(d, _)| *d == p.working().dtype())
+            .expect("grouped above");
+        mine[*at..at + len].copy_from_slice(&read[k][taken[k]..taken[k] + len]);
+        taken[k] += len;
+    }
     let mut all = vec![0u8; block * world];
     comm.all_gather_bytes(&mine, &mut all)?;
     for (r, at, len, p) in entries {
@@ -181,7 +207,7 @@ pub(crate) fn gather_working(
         crate::precision::autocast::invalidate(w.as_tensor());
         written?;
     }
-    Ok(())
+    Ok(reads)
 }
 
 /// The stage-2 reduction of the averaged shares in `flat` (laid out in `params`' order,

@@ -104,6 +104,8 @@ pub struct Extras {
     pub sharding: Sharding,
     pub adamw: bool,
     pub clip: Option<f64>,
+    /// The device path forced on the CPU (`AmpConfig::device_path(true)`).
+    pub device_path: bool,
 }
 
 pub struct Run {
@@ -163,6 +165,7 @@ pub fn train_with(
         .seed(10 + rank as u64)
         .loss_scale(LossScaleSpec::Static(64.0))
         .verbosity(0);
+    let cfg = if extras.device_path { cfg.device_path(true) } else { cfg };
     let amp = amp::Amp::new(cfg, &Device::Cpu).unwrap();
     let model = amp.model(|vb| Net::new(vb, with_bn)).unwrap();
     let mut opt = if extras.adamw {

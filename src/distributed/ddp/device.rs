@@ -16,7 +16,8 @@ impl DataParallel {
     /// check, which parameters had gradients, the overflow flags and the averages' flags in
     /// one transfer (one synchronisation, counted in the run's host reads). A communicator
     /// without a device reduction (`reduces_in_device_memory` false) also reads each bucket
-    /// on the host: one more counted read per bucket.
+    /// on the host: one more counted read per bucket. Sharded, only this rank's shard of the
+    /// averages is kept.
     pub(super) fn reduce_on_device(
         &self,
         run: &crate::train::run::RunState,
@@ -85,11 +86,24 @@ impl DataParallel {
             ));
         }
         let (present, flag_sums) = meta.split_at(params.len());
+        // Sharded (either stage: the device path has no reduce-scatter of device tensors, so
+        // stage 2 all-reduces as stage 1 does): every average is checked, this rank's kept.
+        if self.sharding.is_sharded() {
+            let sized: Vec<(String, usize)> = params
+                .iter()
+                .map(|(n, d)| (n.clone(), d.iter().product::<usize>()))
+                .collect();
+            self.place(&run.store, &sized);
+        }
+        let me = self.comm.rank();
         let mut out = BTreeMap::new();
         for ((((name, _), avg), &had), &bad) in params.into_iter().zip(avgs).zip(present).zip(avg_bad) {
             if had > 0.0 {
                 if bad.is_nan() {
                     nonfinite.push(name.clone());
+                }
+                if self.sharding.is_sharded() && self.owner_of(&name).is_some_and(|r| r != me) {
+                    continue;
                 }
                 // Its own storage, so the step's bucket is freed.
                 out.insert(name, avg.copy()?);

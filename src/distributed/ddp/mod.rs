@@ -173,8 +173,10 @@ impl DataParallel {
     /// A rank then holds only a shard of the run's state: `Amp::state_dict`, checkpoints,
     /// `AmpOptimizer::state_dict` and `AmpOptimizer::master_params` are refused there with
     /// [`DistErrorKind::Sharded`]: save with [`save_checkpoint`](Self::save_checkpoint) on
-    /// every rank, which writes each rank's shard. Not on the
-    /// device path yet ([`Amp::device_path`]): that is an [`AmpError::InvalidArgument`].
+    /// every rank, which writes each rank's shard. On the device path ([`Amp::device_path`])
+    /// both stages all-reduce the gradients (the [`Communicator`] has no reduce-scatter of
+    /// device tensors), and the all-gather of the updated weights goes through the host:
+    /// one read per working type, counted in [`Amp::host_syncs`].
     pub fn sharded(
         amp: &Amp,
         comm: Arc<dyn Communicator>,
@@ -187,16 +189,6 @@ impl DataParallel {
                 reason: format!(
                     "buckets need room for at least one f32 value, got {} bytes",
                     config.bucket_bytes
-                ),
-            });
-        }
-        if sharding.is_sharded() && amp.run().device_path() {
-            return Err(AmpError::InvalidArgument {
-                argument: "sharding",
-                reason: format!(
-                    "{} sharding runs on the host path only so far; this run keeps its gradients on the device \
-                     (Amp::device_path): use Sharding::None there",
-                    sharding
                 ),
             });
         }
@@ -527,7 +519,10 @@ impl StepReducer for DataParallel {
         let Some(run) = self.run.upgrade() else { return Ok(()) };
         let shards = lock(&self.shards).clone();
         let t = Instant::now();
-        zero::gather_working(&*self.comm, &run.store, &shards, params)?;
+        let reads = zero::gather_working(&*self.comm, &run.store, &shards, params)?;
+        if run.device_path() {
+            run.count_host_syncs(reads);
+        }
         let mut st = lock(&self.stats);
         st.collectives += 1;
         if st.gather_s.len() == TIMINGS {

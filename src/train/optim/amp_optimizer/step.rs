@@ -191,6 +191,13 @@ impl AmpOptimizer {
         for g in self.grads.values() {
             total = (total + g.to_dtype(DType::F64)?.sqr()?.sum_all()?)?;
         }
+        // A sharded run holds its shard's gradients only: the norm is over every rank's
+        // (the local sum read on the host, one counted synchronisation).
+        if let Some(reducer) = self.run.step_reducer().filter(|r| r.shard_rank().is_some()) {
+            let local = total.to_scalar::<f64>()?;
+            self.run.count_host_sync();
+            total = Tensor::new(reducer.total_sum_squares(local)?, &dev)?;
+        }
         let norm = total.sqrt()?;
         let coef = Tensor::new(max_norm, &dev)?
             .div(&norm.affine(1.0, 1e-6)?)?
