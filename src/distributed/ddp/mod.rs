@@ -36,6 +36,39 @@ impl Default for DataParallelConfig {
 /// How many step timings [`DataParallel::comm_ms`] keeps (its median is over these).
 const TIMINGS: usize = 1024;
 
+/// The last [`TIMINGS`] durations (seconds), in a buffer allocated once: the statistics do
+/// not grow with the step count.
+#[derive(Debug)]
+struct Timings {
+    v: Vec<f64>,
+    next: usize,
+}
+
+impl Default for Timings {
+    fn default() -> Self {
+        Self {
+            v: Vec::with_capacity(TIMINGS),
+            next: 0,
+        }
+    }
+}
+
+impl Timings {
+    fn push(&mut self, x: f64) {
+        if self.v.len() < TIMINGS {
+            self.v.push(x);
+        } else {
+            self.v[self.next] = x;
+        }
+        self.next = (self.next + 1) % TIMINGS;
+    }
+
+    /// The median in milliseconds; 0 for none.
+    fn median_ms(&self) -> f64 {
+        median_ms(&self.v)
+    }
+}
+
 #[derive(Debug, Default)]
 struct Stats {
     /// Step reductions done (one per optimizer step).
@@ -43,14 +76,14 @@ struct Stats {
     /// Collective calls made for them (one per bucket).
     collectives: u64,
     /// Seconds spent in the collectives of each of the last [`TIMINGS`] reductions.
-    comm_s: Vec<f64>,
+    comm_s: Timings,
     /// Of those, seconds in the step's first collective (the flags), where a rank waits for
     /// the slowest rank to finish its backward.
-    wait_s: Vec<f64>,
+    wait_s: Timings,
     /// And seconds in the gradient buckets after it: the transfer.
-    transfer_s: Vec<f64>,
+    transfer_s: Timings,
     /// Sharded runs: seconds in each all-gather of the updated working weights.
-    gather_s: Vec<f64>,
+    gather_s: Timings,
 }
 
 /// Data-parallel training of one AMP run across the ranks of a [`Communicator`].
@@ -318,7 +351,7 @@ impl DataParallel {
     /// last 1024 steps (0 before the first): [`comm_wait_ms`](Self::comm_wait_ms) and
     /// [`comm_transfer_ms`](Self::comm_transfer_ms) together.
     pub fn comm_ms(&self) -> f64 {
-        median_ms(&lock(&self.stats).comm_s)
+        lock(&self.stats).comm_s.median_ms()
     }
 
     /// The median time, in milliseconds, a step's reduction waited for the other ranks (over
@@ -330,20 +363,20 @@ impl DataParallel {
     /// enqueued on the device without waiting, so this is 0 and the whole time is in
     /// [`comm_transfer_ms`](Self::comm_transfer_ms).
     pub fn comm_wait_ms(&self) -> f64 {
-        median_ms(&lock(&self.stats).wait_s)
+        lock(&self.stats).wait_s.median_ms()
     }
 
     /// The median time, in milliseconds, of a step's gradient buckets after that first
     /// collective: the transfer itself (over the last 1024 steps; 0 before the first).
     pub fn comm_transfer_ms(&self) -> f64 {
-        median_ms(&lock(&self.stats).transfer_s)
+        lock(&self.stats).transfer_s.median_ms()
     }
 
     /// The median time, in milliseconds, of the all-gather of the updated working weights
     /// after a step of a sharded run (over the last 1024; 0 before the first, and when not
     /// sharded). Not part of [`comm_ms`](Self::comm_ms), which times the gradients' reduction.
     pub fn comm_gather_ms(&self) -> f64 {
-        median_ms(&lock(&self.stats).gather_s)
+        lock(&self.stats).gather_s.median_ms()
     }
 
     fn err(&self, kind: DistErrorKind, detail: String) -> AmpError {
@@ -525,9 +558,6 @@ impl StepReducer for DataParallel {
         }
         let mut st = lock(&self.stats);
         st.collectives += 1;
-        if st.gather_s.len() == TIMINGS {
-            st.gather_s.remove(0);
-        }
         st.gather_s.push(t.elapsed().as_secs_f64());
         Ok(())
     }
@@ -547,15 +577,8 @@ impl DataParallel {
         st.reductions += 1;
         st.collectives += calls;
         let st = &mut *st;
-        for (v, x) in [
-            (&mut st.comm_s, wait_s + transfer_s),
-            (&mut st.wait_s, wait_s),
-            (&mut st.transfer_s, transfer_s),
-        ] {
-            if v.len() == TIMINGS {
-                v.remove(0);
-            }
-            v.push(x);
-        }
+        st.comm_s.push(wait_s + transfer_s);
+        st.wait_s.push(wait_s);
+        st.transfer_s.push(transfer_s);
     }
 }
