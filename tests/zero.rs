@@ -411,3 +411,43 @@ fn a_checkpoint_one_process_saved_loads_into_a_sharded_run() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_rank_that_dies_mid_step_ends_a_sharded_step_with_a_timeout_and_nothing_applied() {
+    let out = common::on_ranks(2, Duration::from_millis(500), |c| {
+        let rank = c.rank();
+        let (amp, _d) = o2_rank(c, Sharding::Stage2);
+        let model = amp.model(|vb| Net::new(vb, false)).unwrap();
+        let mut opt = amp
+            .optimizer(amp::optim::Sgd::new(amp::optim::SgdConfig::new(0.1)).unwrap())
+            .unwrap();
+        let (x, y) = data().remove(0);
+        let loss = amp::ops::mse(
+            &model.forward(&x).unwrap().to_dtype(candle_core::DType::F32).unwrap(),
+            &y,
+        )
+        .unwrap();
+        amp.scale_loss(&loss, &mut opt).unwrap().backward().unwrap();
+        if rank == 1 {
+            return None; // dies after its backward, before the step's collectives
+        }
+        let before = working_of(&amp);
+        let err = opt.step().unwrap_err();
+        Some((err, before == working_of(&amp), opt.steps()))
+    });
+    match &out[0] {
+        Some((
+            AmpError::Distributed {
+                kind: DistErrorKind::Timeout,
+                ..
+            },
+            unchanged,
+            steps,
+        )) => {
+            assert!(*unchanged, "a failed step changed the weights");
+            assert_eq!(*steps, 0);
+        }
+        Some((other, ..)) => panic!("expected a timeout, got {other}"),
+        None => unreachable!(),
+    }
+}
