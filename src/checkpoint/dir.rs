@@ -121,7 +121,9 @@ impl CheckpointDir {
             .committed()?
             .ok_or_else(|| AmpError::checkpoint(&self.root, Kind::NotFound, "no checkpoint has been saved here"))?;
         let dir = self.root.join(version_name(c.version));
-        let shards = self.read_manifest(c.version)?.shards;
+        // The manifest says whether the version is sharded; one that cannot be read (the
+        // load will say why) names the one-process file, as before sharded versions existed.
+        let shards = self.read_manifest(c.version).ok().and_then(|m| m.shards);
         Ok(super::tensor_files(shards).0.into_iter().map(|f| dir.join(f)).collect())
     }
 

@@ -138,35 +138,42 @@ fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
 
 /// After a step: every rank sends the working values of the parameters of `params` it owns
 /// (in `params`' order, in their working type) and writes the other ranks' into its own
-/// working Vars. One all-gather of equal blocks (the largest rank's bytes; the others
-/// padded). This rank's values are read in one transfer per working type (on a device: one
-/// synchronisation each); returns how many.
+/// working Vars. In rounds: each rank's parameters are grouped in order into rounds of at
+/// most `cap` bytes (a larger parameter alone), and round `k` is one all-gather of equal
+/// blocks (the largest rank's round-`k` bytes; the others padded), so no rank ever receives
+/// more than about `world * cap` bytes at once. This rank's values are read in one transfer
+/// per working type (on a device: one synchronisation each). Returns the reads and the
+/// all-gathers.
 pub(crate) fn gather_working(
     comm: &dyn Communicator,
     store: &ParamStore,
     shards: &Shards,
     params: &[(String, Vec<usize>)],
-) -> Result<u64> {
+    cap: usize,
+) -> Result<(u64, u64)> {
     let world = comm.world_size();
     let me = comm.rank();
-    // Bytes per rank, from the shapes and the working type (the same on every rank).
-    let mut lens = vec![0usize; world];
+    // Each rank's rounds, from the shapes and the working types (the same on every rank):
+    // (rank, round, offset in the round's block, bytes, parameter).
+    let mut rounds: Vec<Vec<usize>> = vec![Vec::new(); world];
     let mut entries = Vec::new();
     for (name, dims) in params {
         let (Some(r), Some(p)) = (shards.owner(name), store.param(name)) else {
             continue;
         };
         let bytes = dims.iter().product::<usize>() * p.working().dtype().size_in_bytes();
-        entries.push((r, lens[r], bytes, p));
-        lens[r] += bytes;
+        let mine = &mut rounds[r];
+        if mine.last().is_none_or(|&used| used > 0 && used + bytes > cap) {
+            mine.push(0);
+        }
+        let k = mine.len() - 1;
+        entries.push((r, k, mine[k], bytes, p));
+        mine[k] += bytes;
     }
-    let block = lens.iter().copied().max().unwrap_or(0);
-    if block == 0 {
-        return Ok(0);
-    }
+    let n_rounds = rounds.iter().map(Vec::len).max().unwrap_or(0);
     // This rank's values, one flat tensor (one read) per working type, in order.
     let mut by_type: Vec<(DType, Vec<Tensor>)> = Vec::new();
-    for (r, _, _, p) in &entries {
+    for (r, _, _, _, p) in &entries {
         if *r != me {
             continue;
         }
@@ -181,33 +188,35 @@ pub(crate) fn gather_working(
         read.push(tensor_bytes(&Tensor::cat(parts, 0)?)?);
     }
     let reads = read.len() as u64;
-    let mut mine = vec![0u8; block];
     let mut taken = vec![0usize; by_type.len()];
-    for (r, at, len, p) in &entries {
-        if *r != me {
+    let mut gathers = 0;
+    for k in 0..n_rounds {
+        let block = rounds.iter().map(|r| r.get(k).copied().unwrap_or(0)).max().unwrap_or(0);
+        if block == 0 {
             continue;
         }
-        let k = by_type
-            .iter()
-            .position(|(d, _)| *d == p.working().dtype())
-            .expect("grouped above");
-        mine[*at..at + len].copy_from_slice(&read[k][taken[k]..taken[k] + len]);
-        taken[k] += len;
-    }
-    let mut all = vec![0u8; block * world];
-    comm.all_gather_bytes(&mine, &mut all)?;
-    for (r, at, len, p) in entries {
-        if r == me {
-            continue;
+        let mut mine = vec![0u8; block];
+        for (_, _, at, len, p) in entries.iter().filter(|e| e.0 == me && e.1 == k) {
+            let t = by_type
+                .iter()
+                .position(|(d, _)| *d == p.working().dtype())
+                .expect("grouped above");
+            mine[*at..at + len].copy_from_slice(&read[t][taken[t]..taken[t] + len]);
+            taken[t] += len;
         }
-        let from = r * block + at;
-        let w = p.working_var();
-        let t = Tensor::from_raw_buffer(&all[from..from + len], w.dtype(), w.dims(), w.device())?;
-        let written = w.set(&t);
-        crate::precision::autocast::invalidate(w.as_tensor());
-        written?;
+        let mut all = vec![0u8; block * world];
+        comm.all_gather_bytes(&mine, &mut all)?;
+        gathers += 1;
+        for (r, _, at, len, p) in entries.iter().filter(|e| e.0 != me && e.1 == k) {
+            let from = r * block + at;
+            let w = p.working_var();
+            let t = Tensor::from_raw_buffer(&all[from..from + len], w.dtype(), w.dims(), w.device())?;
+            let written = w.set(&t);
+            crate::precision::autocast::invalidate(w.as_tensor());
+            written?;
+        }
     }
-    Ok(reads)
+    Ok((reads, gathers))
 }
 
 /// The stage-2 reduction of the averaged shares in `flat` (laid out in `params`' order,

@@ -341,8 +341,8 @@ impl DataParallel {
     /// Collective calls made for them: per step, one per gradient bucket, and on the host
     /// path one more before them for the flags (see [`comm_wait_ms`](Self::comm_wait_ms)).
     /// Sharded runs: stage 2 counts one per reduce-scatter round and one for the agreement
-    /// on inf/NaN instead of the buckets; both stages count one per all-gather of the
-    /// updated weights (one per applied step of each optimizer).
+    /// on inf/NaN instead of the buckets; both stages count one per all-gather round of the
+    /// updated weights after each applied step (rounds of about `bucket_bytes` in all).
     pub fn collectives(&self) -> u64 {
         lock(&self.stats).collectives
     }
@@ -552,12 +552,15 @@ impl StepReducer for DataParallel {
         let Some(run) = self.run.upgrade() else { return Ok(()) };
         let shards = lock(&self.shards).clone();
         let t = Instant::now();
-        let reads = zero::gather_working(&*self.comm, &run.store, &shards, params)?;
+        // Rounds of about one bucket in all: what a rank receives at once stays near
+        // `bucket_bytes`, not a whole copy of the model's working weights.
+        let cap = (self.config.bucket_bytes / self.comm.world_size()).max(1);
+        let (reads, gathers) = zero::gather_working(&*self.comm, &run.store, &shards, params, cap)?;
         if run.device_path() {
             run.count_host_syncs(reads);
         }
         let mut st = lock(&self.stats);
-        st.collectives += 1;
+        st.collectives += gathers;
         st.gather_s.push(t.elapsed().as_secs_f64());
         Ok(())
     }
