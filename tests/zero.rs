@@ -451,3 +451,69 @@ fn a_rank_that_dies_mid_step_ends_a_sharded_step_with_a_timeout_and_nothing_appl
         None => unreachable!(),
     }
 }
+
+/// Two optimizers (SGD for `a`, AdamW for the rest), O2, `ranks` ranks: every parameter's
+/// working bits and the f32 values this rank owns.
+fn two_optimizers(c: Option<std::sync::Arc<dyn amp::distributed::Communicator>>, sharding: Sharding) -> Span {
+    let rank = c.as_ref().map_or(0, |c| c.rank());
+    let world = c.as_ref().map_or(1, |c| c.world_size());
+    let amp = amp::Amp::new(
+        AmpConfig::new(OptLevel::O2).seed(50 + rank as u64).verbosity(0),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let model = amp.model(|vb| Net::new(vb, false)).unwrap();
+    let mut sgd = amp
+        .optimizer_for(amp::optim::Sgd::new(amp::optim::SgdConfig::new(0.05)).unwrap(), |n| {
+            n.starts_with("a.")
+        })
+        .unwrap();
+    let mut adamw = amp
+        .optimizer_for(amp::optim::AdamW::new(Default::default()).unwrap(), |n| {
+            !n.starts_with("a.")
+        })
+        .unwrap();
+    let ddp = c.map(|c| DataParallel::sharded(&amp, c, Default::default(), sharding).unwrap());
+    for (x, y) in data_with(false) {
+        let (x, y) = (shard(&x, rank, world), shard(&y, rank, world));
+        let out = model.forward(&x).unwrap().to_dtype(candle_core::DType::F32).unwrap();
+        let loss = amp::ops::mse(&out, &y).unwrap();
+        amp.scale_loss_multi(&loss, 0, vec![&mut sgd, &mut adamw])
+            .unwrap()
+            .backward()
+            .unwrap();
+        sgd.step().unwrap();
+        adamw.step().unwrap();
+        sgd.zero_grad();
+        adamw.zero_grad();
+    }
+    let owned = |n: &str| ddp.as_ref().and_then(|d| d.owner_of(n)).is_none_or(|r| r == rank);
+    Span {
+        working: working_of(&amp),
+        owned: state_of(&amp).into_iter().filter(|(n, _)| owned(n)).collect(),
+        state: Vec::new(),
+        scale: amp.loss_scale(0).unwrap(),
+    }
+}
+
+#[test]
+fn two_optimizers_over_one_sharded_run_step_like_the_unsharded_run() {
+    let plain = on_ranks(2, T, |c| two_optimizers(Some(c), Sharding::None));
+    for stage in [Sharding::Stage1, Sharding::Stage2] {
+        let sharded = on_ranks(2, T, |c| two_optimizers(Some(c), stage));
+        for r in &sharded {
+            assert_eq!(r.working, plain[0].working, "{stage}");
+        }
+        assert_eq!(all_owned(&sharded), all_owned(&plain), "{stage}");
+    }
+}
+
+#[test]
+fn one_sharded_rank_owns_everything_and_steps_like_one_process() {
+    let one = two_optimizers(None, Sharding::None);
+    for stage in [Sharding::Stage1, Sharding::Stage2] {
+        let r = on_ranks(1, T, |c| two_optimizers(Some(c), stage));
+        assert_eq!(r[0].working, one.working, "{stage}");
+        assert_eq!(r[0].owned, one.owned, "{stage}");
+    }
+}
