@@ -381,7 +381,9 @@ impl AmpOptimizer {
 
     /// The accumulated unscaled f32 gradients, by parameter name (empty after `zero_grad`).
     /// The tensors are the optimizer's buffers, which later backward passes write in place
-    /// (as PyTorch accumulates into `.grad`): `copy()` one to keep its values.
+    /// (as PyTorch accumulates into `.grad`): `copy()` one to keep its values. Under data
+    /// parallel they are the averages once the step's reduction has run; on a rank of a
+    /// ZeRO-sharded run, only its own shard's from then on.
     pub fn master_grads(&self) -> &BTreeMap<String, Tensor> {
         &self.grads
     }
