@@ -284,6 +284,57 @@ mod tests {
     }
 
     #[test]
+    fn a_mid_size_transformer_splits_within_five_percent_of_an_even_share() {
+        // The bench's mid transformer: 6 blocks of width 512 (q, k, v, o, up, down, two
+        // norms), vocabulary 1024, context 128. A rank's masters and moments are 12 bytes
+        // per element it owns (tests/zero_memory.rs measures that), so the loads are the
+        // memory split.
+        let d = 512;
+        let mut all = vec![
+            ("tok.weight".to_string(), 1024 * d),
+            ("pos".to_string(), 128 * d),
+            ("ln.weight".to_string(), d),
+            ("ln.bias".to_string(), d),
+            ("head.weight".to_string(), 1024 * d),
+            ("head.bias".to_string(), 1024),
+        ];
+        for b in 0..6 {
+            for (n, size) in [
+                ("q.weight", d * d),
+                ("k.weight", d * d),
+                ("v.weight", d * d),
+                ("o.weight", d * d),
+                ("q.bias", d),
+                ("k.bias", d),
+                ("v.bias", d),
+                ("o.bias", d),
+                ("up.weight", 4 * d * d),
+                ("up.bias", 4 * d),
+                ("down.weight", 4 * d * d),
+                ("down.bias", d),
+                ("ln1.weight", d),
+                ("ln1.bias", d),
+                ("ln2.weight", d),
+                ("ln2.bias", d),
+            ] {
+                all.push((format!("block{b}.{n}"), size));
+            }
+        }
+        let total: usize = all.iter().map(|(_, n)| n).sum();
+        for world in [2, 4, 8] {
+            let mut p = Shards::new(world);
+            p.extend(&all);
+            let max = *p.loads().iter().max().unwrap();
+            let share = max as f64 / total as f64;
+            assert!(
+                share <= 1.0 / world as f64 + 0.05,
+                "{world} ranks: the largest shard is {share:.3}"
+            );
+            assert_eq!(p.loads().iter().sum::<usize>(), total);
+        }
+    }
+
+    #[test]
     fn the_partition_balances_largest_first_and_is_stable() {
         let all = sizes(&[("a", 10), ("b", 7), ("c", 5), ("d", 5), ("e", 1)]);
         let mut p = Shards::new(2);
