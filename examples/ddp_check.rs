@@ -201,11 +201,7 @@ fn main() -> Result<()> {
 /// run's working weights bit for bit on every rank, and each parameter's f32 master on its
 /// owner equal to the unsharded run's. Returns the number of failed scenarios.
 fn sharded(comm: &Arc<dyn Communicator>, rank: usize, world: usize) -> Result<usize> {
-    let adamw_clipped = Extras {
-        adamw: true,
-        clip: Some(0.05),
-        ..Default::default()
-    };
+    let adamw_clipped = Extras::adamw_clipped();
     let cases = [
         (
             "O2 f16, AdamW, clipped",

@@ -79,8 +79,9 @@ impl safetensors::View for &Source<'_> {
 
     fn data(&self) -> Cow<'_, [u8]> {
         match self {
-            // candle's own conversion (one tensor's bytes at a time).
-            Source::Tensor(t) => Cow::Owned(tensor_bytes(t)),
+            // candle's own conversion (one tensor's bytes at a time). The view cannot fail:
+            // a tensor that cannot be read writes no bytes, and the file's length check fails.
+            Source::Tensor(t) => Cow::Owned(tensor_bytes(t).unwrap_or_default()),
             Source::Values(v, _) => f32_bytes(v),
         }
     }
@@ -103,29 +104,28 @@ fn f32_bytes(v: &[f32]) -> Cow<'_, [u8]> {
     }
 }
 
-/// A tensor's values as little-endian bytes (row-major).
-fn tensor_bytes(t: &Tensor) -> Vec<u8> {
+/// A tensor's values as little-endian bytes of its own type (row-major; read to the host
+/// once). Types other than f16, bf16, f64, u8, u32 and i64 are read as f32.
+pub(crate) fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
     let mut out = Vec::with_capacity(t.elem_count() * t.dtype().size_in_bytes());
-    let t = t.flatten_all().and_then(|t| t.to_device(&candle_core::Device::Cpu));
+    let t = t.flatten_all()?.to_device(&candle_core::Device::Cpu)?;
     macro_rules! put {
         ($ty:ty) => {
-            if let Ok(v) = t.and_then(|t| t.to_vec1::<$ty>()) {
-                for x in v {
-                    out.extend_from_slice(&x.to_le_bytes());
-                }
+            for x in t.to_vec1::<$ty>()? {
+                out.extend_from_slice(&x.to_le_bytes());
             }
         };
     }
-    match t.as_ref().map(|t| t.dtype()) {
-        Ok(candle_core::DType::F16) => put!(half::f16),
-        Ok(candle_core::DType::BF16) => put!(half::bf16),
-        Ok(candle_core::DType::F64) => put!(f64),
-        Ok(candle_core::DType::U8) => put!(u8),
-        Ok(candle_core::DType::U32) => put!(u32),
-        Ok(candle_core::DType::I64) => put!(i64),
+    match t.dtype() {
+        candle_core::DType::F16 => put!(half::f16),
+        candle_core::DType::BF16 => put!(half::bf16),
+        candle_core::DType::F64 => put!(f64),
+        candle_core::DType::U8 => put!(u8),
+        candle_core::DType::U32 => put!(u32),
+        candle_core::DType::I64 => put!(i64),
         _ => put!(f32),
     }
-    out
+    Ok(out)
 }
 
 /// Writes named tensors as safetensors to `path` (one tensor's bytes in memory at a time,

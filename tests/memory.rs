@@ -9,34 +9,14 @@
 //! On the CPU whatever `CANDLE_AMP_TEST_DEVICE` says: the counting allocator sees host
 //! memory only.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicIsize, Ordering};
+mod counting;
 
 use candle_amp::{self as amp, AmpConfig, HalfType, OptLevel, nn as ann, ops};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Module, ModuleT, VarBuilder};
 
-struct Counting;
-
-static LIVE: AtomicIsize = AtomicIsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        LIVE.fetch_add(l.size() as isize, Ordering::Relaxed);
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        LIVE.fetch_sub(l.size() as isize, Ordering::Relaxed);
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        LIVE.fetch_add(new as isize - l.size() as isize, Ordering::Relaxed);
-        unsafe { System.realloc(p, l, new) }
-    }
-}
-
 #[global_allocator]
-static A: Counting = Counting;
+static A: counting::Counting = counting::Counting;
 
 /// Every layer in `candle_amp::nn`.
 struct Everything {
@@ -131,10 +111,6 @@ impl ModuleT for Everything {
     }
 }
 
-fn live() -> isize {
-    LIVE.load(Ordering::Relaxed)
-}
-
 #[test]
 fn memory_does_not_grow_with_the_step_count_at_any_level() {
     let dev = Device::Cpu;
@@ -181,10 +157,10 @@ fn memory_does_not_grow_with_the_step_count_at_any_level() {
             opt.zero_grad();
             drop_all([logp, loss]);
             if step == 50 {
-                at[0] = live();
+                at[0] = counting::live();
             }
             if step == 300 {
-                at[1] = live();
+                at[1] = counting::live();
             }
         }
         let st = opt.state_dict().unwrap();
@@ -278,10 +254,10 @@ fn memory_is_flat_with_recomputation() {
             opt.zero_grad();
             drop_all([h, loss]);
             if step == 50 {
-                at[0] = live();
+                at[0] = counting::live();
             }
             if step == 300 {
-                at[1] = live();
+                at[1] = counting::live();
             }
         }
         let grown = at[1] - at[0];

@@ -69,11 +69,7 @@ fn check_sharded(world: usize, level: OptLevel, half: HalfType, api: Api, extras
 #[test]
 fn a_sharded_run_steps_bit_for_bit_like_the_unsharded_one_with_the_guard() {
     let sgd = Extras::default();
-    let adamw_clipped = Extras {
-        adamw: true,
-        clip: Some(0.05),
-        ..Default::default()
-    };
+    let adamw_clipped = Extras::adamw_clipped();
     check_sharded(2, OptLevel::O0, HalfType::F16, Api::Guard, sgd);
     check_sharded(2, OptLevel::O0, HalfType::F16, Api::Guard, adamw_clipped);
     check_sharded(2, OptLevel::O2, HalfType::F16, Api::Guard, adamw_clipped);
@@ -84,11 +80,7 @@ fn a_sharded_run_steps_bit_for_bit_like_the_unsharded_one_with_the_guard() {
 
 #[test]
 fn a_sharded_run_steps_bit_for_bit_like_the_unsharded_one_with_grad_scaler_and_accumulation() {
-    let adamw_clipped = Extras {
-        adamw: true,
-        clip: Some(0.05),
-        ..Default::default()
-    };
+    let adamw_clipped = Extras::adamw_clipped();
     check_sharded(2, OptLevel::O1, HalfType::F16, Api::ScalerAccumulating, adamw_clipped);
     check_sharded(2, OptLevel::O2, HalfType::Bf16, Api::ScalerAccumulating, adamw_clipped);
     check_sharded(
@@ -103,30 +95,22 @@ fn a_sharded_run_steps_bit_for_bit_like_the_unsharded_one_with_grad_scaler_and_a
 #[test]
 fn a_sharded_run_on_the_device_path_steps_bit_for_bit_like_the_unsharded_one() {
     // The device path forced on the CPU: gradients, flags and clipping as device tensors.
-    let device = |adamw: bool, clip: Option<f64>| Extras {
-        adamw,
-        clip,
-        device_path: true,
-        ..Default::default()
-    };
-    check_sharded(2, OptLevel::O2, HalfType::F16, Api::Guard, device(true, Some(0.05)));
+    let on_device = |e: Extras| Extras { device_path: true, ..e };
+    let adamw = on_device(Extras::adamw_clipped());
+    check_sharded(2, OptLevel::O2, HalfType::F16, Api::Guard, adamw);
+    check_sharded(2, OptLevel::O0, HalfType::F16, Api::ScalerAccumulating, adamw);
     check_sharded(
-        2,
-        OptLevel::O0,
-        HalfType::F16,
-        Api::ScalerAccumulating,
-        device(true, Some(0.05)),
+        3,
+        OptLevel::O3,
+        HalfType::Bf16,
+        Api::Guard,
+        on_device(Extras::default()),
     );
-    check_sharded(3, OptLevel::O3, HalfType::Bf16, Api::Guard, device(false, None));
 }
 
 #[test]
 fn three_ranks_shard_unevenly_and_still_step_like_the_unsharded_run() {
-    let adamw = Extras {
-        adamw: true,
-        clip: Some(0.05),
-        ..Default::default()
-    };
+    let adamw = Extras::adamw_clipped();
     check_sharded(3, OptLevel::O2, HalfType::F16, Api::Guard, adamw);
     check_sharded(
         3,

@@ -7,9 +7,8 @@
 //! not grow with the step count.
 
 mod common;
+mod counting;
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicIsize, Ordering};
 use std::time::Duration;
 
 use candle_amp::distributed::{DataParallel, Sharding};
@@ -18,27 +17,8 @@ use candle_amp::{self as amp, AmpConfig, OptLevel};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Module, VarBuilder};
 
-struct Counting;
-
-static LIVE: AtomicIsize = AtomicIsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        LIVE.fetch_add(l.size() as isize, Ordering::Relaxed);
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        LIVE.fetch_sub(l.size() as isize, Ordering::Relaxed);
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        LIVE.fetch_add(new as isize - l.size() as isize, Ordering::Relaxed);
-        unsafe { System.realloc(p, l, new) }
-    }
-}
-
 #[global_allocator]
-static A: Counting = Counting;
+static A: counting::Counting = counting::Counting;
 
 const WIDTH: usize = 64;
 const LAYERS: usize = 8;
@@ -107,7 +87,7 @@ fn held_after_steps(
         })
         .sum();
     ddp.barrier().unwrap();
-    let live = LIVE.load(Ordering::SeqCst);
+    let live = counting::live();
     ddp.barrier().unwrap();
     drop((model, opt, ddp, amp));
     (mine, whole, live)
@@ -137,7 +117,7 @@ fn live_at(
         opt.zero_grad();
         if step == a || step == b {
             ddp.barrier().unwrap();
-            seen.push(LIVE.load(Ordering::SeqCst));
+            seen.push(counting::live());
             ddp.barrier().unwrap();
         }
     }

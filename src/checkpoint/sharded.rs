@@ -17,7 +17,8 @@ use crate::files::{Source, write_sources};
 use crate::precision::store::ParamKind;
 use crate::train::optim::AmpOptimizer;
 
-/// A rank's answer in the exchanges below: `1` and a payload, or `0` and an error's text.
+/// A rank's answer in the exchanges of a collective save: `1` and a payload, or `0` and an
+/// error's text.
 fn answer(r: std::result::Result<Vec<u8>, String>) -> Vec<u8> {
     match r {
         Ok(mut b) => {
@@ -128,10 +129,8 @@ impl CheckpointDir {
         }
 
         // 3. Rank 0 merges the records, writes the state and commits; everyone learns how it went.
-        let mut outcome = Vec::new();
-        let mut result = None;
-        if let Some(v) = begun {
-            let done = merge_records(&all).and_then(|optimizers| {
+        let done = begun.map(|v| {
+            merge_records(&all).and_then(|optimizers| {
                 let state = StateFile {
                     step,
                     amp: amp.state_dict_without_weights(),
@@ -139,25 +138,23 @@ impl CheckpointDir {
                     extra,
                 };
                 self.finish_version(v, &state, Some(world))
-            });
-            outcome = answer(match &done {
-                Ok(p) => Ok(p.to_string_lossy().into_owned().into_bytes()),
-                Err(e) => Err(e.to_string()),
-            });
-            result = Some(done);
-        }
-        comm.broadcast_bytes(&mut outcome, 0)?;
-        if let Some(done) = result {
-            return done;
-        }
-        match read_answer(&outcome) {
-            Ok(p) => Ok(PathBuf::from(String::from_utf8_lossy(p).into_owned())),
-            Err(text) => Err(AmpError::checkpoint(
-                &tmp,
-                Kind::Io,
-                format!("rank 0 could not commit the sharded save: {text}"),
-            )),
-        }
+            })
+        });
+        share_outcome(comm, done, &tmp, "commit the sharded save")
+    }
+
+    /// The collective save of an unsharded run: rank 0 saves as [`CheckpointDir::save`]
+    /// does while the others wait, and every rank returns its outcome.
+    pub(crate) fn save_on_rank0(
+        &self,
+        amp: &Amp,
+        optimizers: &[&AmpOptimizer],
+        step: u64,
+        extra: serde_json::Value,
+        comm: &dyn Communicator,
+    ) -> Result<PathBuf> {
+        let done = (comm.rank() == 0).then(|| self.save(amp, optimizers, step, extra));
+        share_outcome(comm, done, &self.root, "save the checkpoint")
     }
 
     /// Writes this rank's two files of a sharded version into `tmp`; returns its records
@@ -201,6 +198,34 @@ impl CheckpointDir {
         write_sources(&weights, &tmp.join(shard_file(WEIGHTS, rank, world)))?;
         write_sources(&buffers, &tmp.join(shard_file(BUFFERS, rank, world)))?;
         Ok(records)
+    }
+}
+
+/// Tells every rank how rank 0's part of a collective save went (`done`: rank 0's result,
+/// `None` on the others): every rank returns the version's directory, or the failure (on
+/// the others a checkpoint error at `at` saying rank 0 could not `what`).
+fn share_outcome(
+    comm: &dyn Communicator,
+    done: Option<Result<PathBuf>>,
+    at: &std::path::Path,
+    what: &str,
+) -> Result<PathBuf> {
+    let mut outcome = match &done {
+        Some(Ok(p)) => answer(Ok(p.to_string_lossy().into_owned().into_bytes())),
+        Some(Err(e)) => answer(Err(e.to_string())),
+        None => Vec::new(),
+    };
+    comm.broadcast_bytes(&mut outcome, 0)?;
+    if let Some(done) = done {
+        return done;
+    }
+    match read_answer(&outcome) {
+        Ok(p) => Ok(PathBuf::from(String::from_utf8_lossy(p).into_owned())),
+        Err(text) => Err(AmpError::checkpoint(
+            at,
+            Kind::Io,
+            format!("rank 0 could not {what}: {text}"),
+        )),
     }
 }
 

@@ -17,7 +17,7 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::CudaStream;
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use candle_core::cuda_backend::cudarc::nccl::{Comm, Id, ReduceOp};
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, Device, Layout, Shape, Tensor};
 
@@ -132,13 +132,42 @@ impl NcclComm {
         backend(self.rank, format!("{what}: {e:?}"))
     }
 
+    /// Copies `send` to the device, runs `collective` (named `what`) from it into a new
+    /// device buffer of `recv`'s length, and copies that into `recv`, waiting for it: the
+    /// collectives whose input and output differ in length. The callers skip empty buffers
+    /// (the device allocator refuses them).
+    fn staged<T, E: std::fmt::Debug>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        what: &str,
+        collective: impl FnOnce(&Comm, &CudaSlice<T>, &mut CudaSlice<T>) -> std::result::Result<(), E>,
+    ) -> Result<()>
+    where
+        T: DeviceRepr + ValidAsZeroBits,
+    {
+        let src = self
+            .stream
+            .clone_htod(send)
+            .map_err(|e| self.err("copy to device", e))?;
+        let mut dst = self
+            .stream
+            .alloc_zeros::<T>(recv.len())
+            .map_err(|e| self.err("device allocation", e))?;
+        collective(&self.comm(), &src, &mut dst).map_err(|e| self.err(what, e))?;
+        self.stream
+            .memcpy_dtoh(&dst, recv)
+            .map_err(|e| self.err("copy to host", e))?;
+        self.stream.synchronize().map_err(|e| self.err(what, e))
+    }
+
     /// Copies `buf` to the device, runs `collective` on the device copy, and copies the
     /// result back into `buf`, waiting for it.
     fn through_device(
         &self,
         buf: &mut [f32],
         what: &str,
-        collective: impl FnOnce(&Comm, &mut candle_core::cuda_backend::cudarc::driver::CudaSlice<f32>) -> Result<()>,
+        collective: impl FnOnce(&Comm, &mut CudaSlice<f32>) -> Result<()>,
     ) -> Result<()> {
         // NCCL refuses no empty buffer, but the device allocator does: every rank passes the
         // same length, so every rank skips together.
@@ -282,21 +311,9 @@ impl Communicator for NcclComm {
         if recv.is_empty() {
             return Ok(());
         }
-        let src = self
-            .stream
-            .clone_htod(send)
-            .map_err(|e| self.err("copy to device", e))?;
-        let mut dst = self
-            .stream
-            .alloc_zeros::<f32>(recv.len())
-            .map_err(|e| self.err("device allocation", e))?;
-        self.comm()
-            .reduce_scatter(&src, &mut dst, &ReduceOp::Sum)
-            .map_err(|e| self.err("ncclReduceScatter", e))?;
-        self.stream
-            .memcpy_dtoh(&dst, recv)
-            .map_err(|e| self.err("copy to host", e))?;
-        self.stream.synchronize().map_err(|e| self.err("ncclReduceScatter", e))
+        self.staged(send, recv, "ncclReduceScatter", |comm, src, dst| {
+            comm.reduce_scatter(src, dst, &ReduceOp::Sum).map(|_| ())
+        })
     }
 
     /// Staged through the device (`ncclAllGather` reads device memory only).
@@ -306,20 +323,8 @@ impl Communicator for NcclComm {
         if send.is_empty() {
             return Ok(());
         }
-        let src = self
-            .stream
-            .clone_htod(send)
-            .map_err(|e| self.err("copy to device", e))?;
-        let mut dst = self
-            .stream
-            .alloc_zeros::<u8>(recv.len())
-            .map_err(|e| self.err("device allocation", e))?;
-        self.comm()
-            .all_gather(&src, &mut dst)
-            .map_err(|e| self.err("ncclAllGather", e))?;
-        self.stream
-            .memcpy_dtoh(&dst, recv)
-            .map_err(|e| self.err("copy to host", e))?;
-        self.stream.synchronize().map_err(|e| self.err("ncclAllGather", e))
+        self.staged(send, recv, "ncclAllGather", |comm, src, dst| {
+            comm.all_gather(src, dst).map(|_| ())
+        })
     }
 }

@@ -112,30 +112,6 @@ pub(crate) fn trainable_sizes(store: &ParamStore) -> Vec<(String, usize)> {
         .collect()
 }
 
-/// A flat tensor's values as little-endian bytes of its own type (one read of the tensor).
-fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
-    Ok(match t.dtype() {
-        DType::F32 => t.to_vec1::<f32>()?.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        DType::F16 => t
-            .to_vec1::<half::f16>()?
-            .iter()
-            .flat_map(|v| v.to_bits().to_le_bytes())
-            .collect(),
-        DType::BF16 => t
-            .to_vec1::<half::bf16>()?
-            .iter()
-            .flat_map(|v| v.to_bits().to_le_bytes())
-            .collect(),
-        DType::F64 => t.to_vec1::<f64>()?.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        other => {
-            return Err(AmpError::InvalidArgument {
-                argument: "sharding",
-                reason: format!("ZeRO sharding gathers float parameters only, found one of type {other:?}"),
-            });
-        }
-    })
-}
-
 /// After a step: every rank sends the working values of the parameters of `params` it owns
 /// (in `params`' order, in their working type) and writes the other ranks' into its own
 /// working Vars. In rounds: each rank's parameters are grouped in order into rounds of at
@@ -185,7 +161,7 @@ pub(crate) fn gather_working(
     }
     let mut read = Vec::with_capacity(by_type.len());
     for (_, parts) in &by_type {
-        read.push(tensor_bytes(&Tensor::cat(parts, 0)?)?);
+        read.push(crate::files::tensor_bytes(&Tensor::cat(parts, 0)?)?);
     }
     let reads = read.len() as u64;
     let mut taken = vec![0usize; by_type.len()];

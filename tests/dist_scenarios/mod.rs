@@ -108,6 +108,17 @@ pub struct Extras {
     pub device_path: bool,
 }
 
+impl Extras {
+    /// AdamW, its gradients clipped to a norm of 0.05.
+    pub fn adamw_clipped() -> Self {
+        Self {
+            adamw: true,
+            clip: Some(0.05),
+            ..Default::default()
+        }
+    }
+}
+
 pub struct Run {
     /// Every store tensor (parameters and buffers) as f32 bits, by name order.
     pub state: Vec<(String, Vec<u32>)>,
@@ -271,30 +282,15 @@ pub fn train_with(
     }
 }
 
-/// Every store tensor (parameters and buffers) as f32 bits, by name.
-pub fn state_of(amp: &amp::Amp) -> Vec<(String, Vec<u32>)> {
+/// Every store tensor (parameters and buffers) as f32 bits, by name: `value` picks which
+/// tensor of each parameter.
+fn bits_of(amp: &amp::Amp, value: impl Fn(&amp::Param) -> Tensor) -> Vec<(String, Vec<u32>)> {
     let mut state: Vec<(String, Vec<u32>)> = amp
         .store()
         .params()
         .iter()
         .map(|p| {
-            let v = p.f32_value().unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            (p.name().to_string(), v.into_iter().map(f32::to_bits).collect())
-        })
-        .collect();
-    state.sort();
-    state
-}
-
-/// Every store tensor's working value as f32 bits, by name.
-pub fn working_of(amp: &amp::Amp) -> Vec<(String, Vec<u32>)> {
-    let mut state: Vec<(String, Vec<u32>)> = amp
-        .store()
-        .params()
-        .iter()
-        .map(|p| {
-            let v = p
-                .working()
+            let v = value(p)
                 .to_dtype(DType::F32)
                 .unwrap()
                 .flatten_all()
@@ -306,6 +302,16 @@ pub fn working_of(amp: &amp::Amp) -> Vec<(String, Vec<u32>)> {
         .collect();
     state.sort();
     state
+}
+
+/// Every store tensor's f32 value (the master where there is one), by name.
+pub fn state_of(amp: &amp::Amp) -> Vec<(String, Vec<u32>)> {
+    bits_of(amp, |p| p.f32_value().unwrap())
+}
+
+/// Every store tensor's working value (the model's own, half at O2 and O3), by name.
+pub fn working_of(amp: &amp::Amp) -> Vec<(String, Vec<u32>)> {
+    bits_of(amp, |p| p.working().clone())
 }
 
 pub fn assert_close(a: &Run, b: &Run, tol: f32, what: &str) {

@@ -3,7 +3,7 @@
 use super::{DataParallel, lock};
 use crate::amp::Amp;
 use crate::distributed::zero;
-use crate::error::{AmpError, Result};
+use crate::error::Result;
 
 impl DataParallel {
     /// Saves a checkpoint of the run, called on every rank with the same `step`; every rank
@@ -30,30 +30,6 @@ impl DataParallel {
             let owns = |name: &str| lock(&self.shards).owner(name).map(|r| r == me);
             return dir.save_sharded(amp, optimizers, step, extra, &*self.comm, &owns);
         }
-        let mut outcome = Vec::new();
-        let mut mine = None;
-        if self.is_main() {
-            let saved = dir.save(amp, optimizers, step, extra);
-            outcome = match &saved {
-                Ok(p) => p.to_string_lossy().into_owned().into_bytes(),
-                Err(e) => format!("\0{e}").into_bytes(),
-            };
-            mine = Some(saved);
-        }
-        self.comm.broadcast_bytes(&mut outcome, 0)?;
-        if let Some(saved) = mine {
-            return saved;
-        }
-        match outcome.strip_prefix(b"\0") {
-            None => Ok(std::path::PathBuf::from(String::from_utf8_lossy(&outcome).into_owned())),
-            Some(text) => Err(AmpError::checkpoint(
-                dir.root(),
-                crate::error::CheckpointErrorKind::Io,
-                format!(
-                    "rank 0 could not save the checkpoint: {}",
-                    String::from_utf8_lossy(text)
-                ),
-            )),
-        }
+        dir.save_on_rank0(amp, optimizers, step, extra, &*self.comm)
     }
 }

@@ -41,12 +41,7 @@ impl AmpOptimizer {
         let Some(reducer) = self.run.step_reducer() else {
             return Ok(());
         };
-        let mut params: Vec<(String, Vec<usize>)> = self
-            .owned()
-            .into_iter()
-            .map(|(_, p)| (p.name().to_string(), p.working().dims().to_vec()))
-            .collect();
-        params.sort();
+        let params = self.step_params();
         // One flag per scaling round, in a fixed order: the run's losses, then GradScaler's.
         let n = self.run.props.num_losses;
         let mut flags: Vec<bool> = (0..n)
@@ -300,13 +295,19 @@ impl AmpOptimizer {
         let Some(reducer) = self.run.step_reducer() else {
             return Ok(());
         };
+        reducer.after_step(&self.step_params())
+    }
+
+    /// The parameters the step reducer is told about (`StepGrads::params`): every one this
+    /// optimizer owns, sorted by name, with its shape.
+    fn step_params(&self) -> Vec<(String, Vec<usize>)> {
         let mut params: Vec<(String, Vec<usize>)> = self
             .owned()
             .into_iter()
             .map(|(_, p)| (p.name().to_string(), p.working().dims().to_vec()))
             .collect();
         params.sort();
-        reducer.after_step(&params)
+        params
     }
 
     /// Applies the master gradients through the algorithm, all or nothing: the algorithm
