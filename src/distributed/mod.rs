@@ -23,12 +23,13 @@ mod ddp;
 mod mpi;
 #[cfg(feature = "nccl")]
 mod nccl;
+mod overlap;
 mod sampler;
 mod zero;
 
 pub use crate::comm::{Communicator, DEFAULT_TIMEOUT, LocalComm, LocalGroup};
 pub use crate::train::reduce::{StepGrads, StepReducer};
-pub use ddp::{DataParallel, DataParallelConfig};
+pub use ddp::{DataParallel, DataParallelConfig, NoSync};
 #[cfg(feature = "mpi")]
 pub use mpi::MpiComm;
 #[cfg(feature = "nccl")]

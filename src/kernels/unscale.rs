@@ -68,6 +68,71 @@ pub(crate) fn unscale_check(raw: &Tensor, scale: f32, check: bool) -> Result<(Te
     Ok((v, bad))
 }
 
+/// `out = (acc + unscale(raw)) / div` (`unscale(raw) / div` without `acc`), unchecked: one
+/// rank's share of an accumulated master gradient, written where data parallel's overlap
+/// sends it (`distributed::overlap`). The arithmetic is the backward's own (the same pass
+/// that adds into the master gradient, then the division the step's reduction makes), so a
+/// share made during the backward has the bits the step would have sent.
+pub(crate) fn unscale_share(raw: &Tensor, scale: f32, acc: Option<&Tensor>, div: f32, out: &mut [f32]) -> Result<()> {
+    let raw = super::dense(&raw.detach())?;
+    let n = raw.elem_count();
+    if out.len() != n || acc.is_some_and(|a| a.elem_count() != n) {
+        return Err(crate::AmpError::InvalidArgument {
+            argument: "out",
+            reason: format!("a share of {n} values needs {n} places, got {}", out.len()),
+        });
+    }
+    let u = Unscale::new(scale);
+    let mut done = false;
+    if super::enabled() {
+        let (storage, layout) = raw.storage_and_layout();
+        if let (Storage::Cpu(cs), Some((a, b))) = (&*storage, layout.contiguous_offsets()) {
+            if let Some(acc) = acc {
+                read_f32_into(acc, out)?;
+            }
+            done = unscale_storage(cs, a, b, out, u, acc.is_some()).is_some();
+        }
+    }
+    if !done {
+        // Other types and devices, and the plain path: the tensor ops of `unscale_check` and
+        // `add_check`.
+        let (g, _) = unscale_check(&raw, scale, false)?;
+        let sum = match acc {
+            Some(a) => add_check(a, &g.reshape(a.shape())?, false)?.0,
+            None => g,
+        };
+        read_f32_into(&sum, out)?;
+    }
+    if div != 1.0 {
+        for v in out.iter_mut() {
+            *v /= div;
+        }
+    }
+    Ok(())
+}
+
+/// Copies `t`'s values (f32) into `out` (of `t`'s size), straight from contiguous CPU storage.
+pub(crate) fn read_f32_into(t: &Tensor, out: &mut [f32]) -> Result<()> {
+    if t.dtype() == DType::F32 && t.device().is_cpu() {
+        let (storage, layout) = t.storage_and_layout();
+        if let (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) = (&*storage, layout.contiguous_offsets())
+            && b - a == out.len()
+        {
+            out.copy_from_slice(&v[a..b]);
+            return Ok(());
+        }
+    }
+    let v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    if v.len() != out.len() {
+        return Err(crate::AmpError::InvalidArgument {
+            argument: "out",
+            reason: format!("{} values do not fit {} places", v.len(), out.len()),
+        });
+    }
+    out.copy_from_slice(&v);
+    Ok(())
+}
+
 /// The unscaled f32 gradient with tensor ops on the gradient's device, unchecked and
 /// detached: the arithmetic of [`unscale_check`] without any host read (the device path
 /// checks the result on the device; an inf or NaN in `raw` stays inf or NaN).

@@ -7,10 +7,10 @@
 //! It lives with the run's cast context, so a layer reaches it through the thread's scope
 //! (`autocast::run_stash`) without a handle.
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor, Var};
+use candle_core::{DType, Tensor, TensorId, Var};
 
 use crate::kernels::wgrad::GradSink;
 
@@ -22,6 +22,16 @@ pub(crate) type Trains = Box<dyn Fn(&Tensor) -> Option<bool> + Send + Sync>;
 pub(crate) struct GradStash {
     trains: Trains,
     grads: Mutex<GradStore>,
+    /// Told of every gradient added while a backward runs (data parallel's overlap).
+    hook: Mutex<Option<Arc<dyn ReadyHook>>>,
+}
+
+/// Sees each parameter's waiting gradient as it grows during a backward: data parallel
+/// starts a bucket's all-reduce once every gradient in it is complete
+/// (`distributed::DataParallel::set_overlap`).
+pub(crate) trait ReadyHook: Send + Sync {
+    /// Parameter `id`'s waiting gradient is now `sum` (every contribution so far).
+    fn grad_added(&self, id: TensorId, sum: &Tensor);
 }
 
 impl std::fmt::Debug for GradStash {
@@ -36,7 +46,13 @@ impl GradStash {
         Self {
             trains,
             grads: Mutex::new(GradStore::default()),
+            hook: Mutex::new(None),
         }
+    }
+
+    /// Installs (or with `None` removes) the hook told of every added gradient.
+    pub(crate) fn set_hook(&self, hook: Option<Arc<dyn ReadyHook>>) {
+        *self.hook.lock().unwrap_or_else(|p| p.into_inner()) = hook;
     }
 
     fn lock(&self) -> MutexGuard<'_, GradStore> {
@@ -52,7 +68,23 @@ impl GradStash {
 
     /// Adds `grads` to the waiting ones.
     pub(crate) fn stash(&self, grads: GradStore) -> candle_core::Result<()> {
-        merge_grads(&mut self.lock(), grads, false)
+        let hook = self.hook.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let Some(hook) = hook else {
+            return merge_grads(&mut self.lock(), grads, false);
+        };
+        let ids: Vec<TensorId> = grads.get_ids().copied().collect();
+        let sums: Vec<(TensorId, Tensor)> = {
+            let mut st = self.lock();
+            merge_grads(&mut st, grads, false)?;
+            ids.into_iter()
+                .filter_map(|id| st.get_id(id).map(|g| (id, g.clone())))
+                .collect()
+        };
+        // Outside the lock: the hook may take a while (it unscales into a bucket).
+        for (id, sum) in &sums {
+            hook.grad_added(*id, sum);
+        }
+        Ok(())
     }
 
     /// Takes the waiting gradients of `vars` (all of them with `None`).

@@ -175,19 +175,55 @@ impl<'a> ScaleLoss<'a> {
 
     /// Runs the whole pipeline: backward on the scaled loss, reduce, unscale and check,
     /// accumulate.
-    pub fn backward(self) -> Result<BackwardReport> {
-        let grads = stage_backward(&self.scaled)?;
+    pub fn backward(mut self) -> Result<BackwardReport> {
+        self.begin_backward()?;
+        let grads = match stage_backward(&self.scaled) {
+            Ok(g) => g,
+            Err(e) => return Err(self.failed(e)),
+        };
         self.backward_from_grads(grads)
     }
 
     /// Runs the pipeline with another stage 1: `driver` gets the scaled loss and returns the
     /// raw gradients of the working parameters (e.g. recomputing checkpointed segments).
     pub fn backward_with(
-        self,
+        mut self,
         driver: impl FnOnce(&Tensor) -> candle_core::Result<GradStore>,
     ) -> Result<BackwardReport> {
-        let grads = driver(&self.scaled)?;
+        self.begin_backward()?;
+        let grads = match driver(&self.scaled) {
+            Ok(g) => g,
+            Err(e) => return Err(self.failed(e.into())),
+        };
         self.backward_from_grads(grads)
+    }
+
+    /// Tells the run's step reducer that a backward starts (data parallel's overlap sends
+    /// gradients while it runs), with each parameter's master gradient so far.
+    fn begin_backward(&mut self) -> Result<()> {
+        let Some(reducer) = self.run.step_reducer() else {
+            return Ok(());
+        };
+        let mut params = Vec::new();
+        for o in self.optimizers.iter_mut() {
+            for (name, var) in o.trained_vars()? {
+                let acc = o.live_grad(&name);
+                params.push((name, var, acc));
+            }
+        }
+        reducer.begin_backward(crate::train::reduce::BackwardStart {
+            scale: self.scale,
+            params: &params,
+        })
+    }
+
+    /// A backward that failed before its gradients reached the pipeline: the step reducer
+    /// forgets it.
+    fn failed(&self, e: AmpError) -> AmpError {
+        if let Some(reducer) = self.run.step_reducer() {
+            reducer.end_backward(false);
+        }
+        e
     }
 
     /// Runs stages 2 to 4 on raw gradients obtained elsewhere (they must be gradients of the
@@ -242,6 +278,26 @@ impl<'a> ScaleLoss<'a> {
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run_stages(
     run: &RunState,
+    grads: GradStore,
+    optimizers: &mut [&mut AmpOptimizer],
+    round: Round,
+    scale: f32,
+    loss: (bool, Option<Tensor>),
+    check: bool,
+    pre_round: &std::collections::HashMap<candle_core::TensorId, Tensor>,
+) -> Result<BackwardReport> {
+    let out = stages(run, grads, optimizers, round, scale, loss, check, pre_round);
+    if out.is_err()
+        && let Some(r) = run.step_reducer()
+    {
+        r.end_backward(false);
+    }
+    out
+}
+
+#[allow(clippy::too_many_arguments)]
+fn stages(
+    run: &RunState,
     mut grads: GradStore,
     optimizers: &mut [&mut AmpOptimizer],
     round: Round,
@@ -258,6 +314,11 @@ pub(crate) fn run_stages(
     let all: Vec<(String, Var)> = owned.iter().flatten().cloned().collect();
     // Gradients of checkpointed segments, recomputed during this backward (`recompute`).
     merge_grads(&mut grads, run.take_recomputed(Some(&all)), false)?;
+    // The complete raw gradients: an overlapping step reducer sends what is still unsent.
+    let step_reducer = run.step_reducer();
+    if let Some(r) = &step_reducer {
+        r.flush_backward(&grads, &all)?;
+    }
     let reducer = run.reducer();
     if let Some(r) = &reducer {
         r.reduce(&mut grads, &all)?;
@@ -308,6 +369,9 @@ pub(crate) fn run_stages(
             true => Some(opt.with_flags(round, block.clone(), loss_flag.clone())?),
             false => None,
         });
+    }
+    if let Some(r) = &step_reducer {
+        r.end_backward(true);
     }
     // Nothing can fail from here on: the writes. First the sums made in place (checked now
     // where the verdict did not have to come first), then the commits with the block's

@@ -69,6 +69,39 @@ pub trait StepReducer: Send + Sync {
     fn shard_rank(&self) -> Option<usize> {
         None
     }
+
+    /// Called when a backward through the `scale_loss` guard starts, before candle's
+    /// backward runs: a reducer that overlaps its communication with the backward
+    /// (`DataParallel::set_overlap`) gets ready here. The default does nothing.
+    fn begin_backward(&self, start: BackwardStart<'_>) -> Result<()> {
+        let _ = start;
+        Ok(())
+    }
+
+    /// Called by every backward (the guard's and `GradScaler`'s) with its complete raw
+    /// gradients, before they are unscaled into the master gradients: an overlapping reducer
+    /// sends what the backward did not send yet. The default does nothing.
+    fn flush_backward(&self, grads: &GradStore, params: &[(String, Var)]) -> Result<()> {
+        let _ = (grads, params);
+        Ok(())
+    }
+
+    /// Called when a backward ends: with `committed` true once it can no longer fail, just
+    /// before its gradients are added to the master gradients; with false when it failed
+    /// (nothing was added). The default does nothing.
+    fn end_backward(&self, committed: bool) {
+        let _ = committed;
+    }
+}
+
+/// What [`StepReducer::begin_backward`] gets.
+#[derive(Debug)]
+pub struct BackwardStart<'a> {
+    /// The scale the loss was multiplied by (the raw gradients carry it).
+    pub scale: f32,
+    /// The parameters the backward trains (name, working Var), with each one's master
+    /// gradient accumulated so far in this step (f32; `None` before its first gradient).
+    pub params: &'a [(String, Var, Option<Tensor>)],
 }
 
 /// What a [`StepReducer`] gets for one optimizer step.

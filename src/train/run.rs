@@ -108,7 +108,7 @@ impl RunState {
         !self.unused_checked.swap(true, std::sync::atomic::Ordering::Relaxed)
     }
 
-    fn stash(&self) -> &GradStash {
+    pub(crate) fn stash(&self) -> &GradStash {
         self.casts
             .stash()
             .expect("a run's cast context has a stash (CastContext::for_run)")

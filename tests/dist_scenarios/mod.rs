@@ -96,6 +96,9 @@ pub enum Api {
     Guard,
     /// `GradScaler`, with every step's batch split into two accumulated micro-batches.
     ScalerAccumulating,
+    /// The guard over two accumulated micro-batches of half the rows (the first under
+    /// `DataParallel::no_sync` with [`Extras::no_sync`]).
+    GuardAccumulating,
 }
 
 /// What else a run does: ZeRO sharding, AdamW instead of SGD, clipping to a norm.
@@ -106,6 +109,10 @@ pub struct Extras {
     pub clip: Option<f64>,
     /// The device path forced on the CPU (`AmpConfig::device_path(true)`).
     pub device_path: bool,
+    /// Communication overlapped with the backward (`DataParallel::set_overlap`).
+    pub overlap: bool,
+    /// `Api::GuardAccumulating`: the first micro-batch under `DataParallel::no_sync`.
+    pub no_sync: bool,
 }
 
 impl Extras {
@@ -131,6 +138,10 @@ pub struct Run {
     pub skipped: u64,
     pub reductions: u64,
     pub collectives: u64,
+    /// Steps reduced from the buckets sent during the backward.
+    pub overlapped_steps: u64,
+    /// Buckets sent while candle's backward was still running.
+    pub early_buckets: u64,
 }
 
 /// Trains `STEPS` steps on `rank` of `world` (`comm` None: one process, whole batches, as
@@ -197,6 +208,9 @@ pub fn train_with(
         if with_bn {
             d.sync_batch_norm(&amp, true);
         }
+        if extras.overlap {
+            d.set_overlap(&amp, true).unwrap();
+        }
         d
     });
     let mut scaler = GradScaler::with_params(64.0, 2.0, 0.5, 1_000_000, true).unwrap();
@@ -257,6 +271,21 @@ pub fn train_with(
                 scaler.step(&mut opt, &g1).unwrap();
                 scaler.update(None).unwrap();
             }
+            Api::GuardAccumulating => {
+                let h = x.dim(0).unwrap() / 2;
+                let micro = |i: usize| {
+                    (losses(&x.narrow(0, i * h, h).unwrap(), &y.narrow(0, i * h, h).unwrap()) / 2.0).unwrap()
+                };
+                {
+                    let _local = ddp.as_ref().filter(|_| extras.no_sync).map(|d| d.no_sync());
+                    amp.scale_loss(&micro(0), &mut opt).unwrap().backward().unwrap();
+                }
+                amp.scale_loss(&micro(1), &mut opt).unwrap().backward().unwrap();
+                if let Some(max) = extras.clip {
+                    norms.push(opt.clip_grad_norm(max).unwrap().to_bits());
+                }
+                opt.step().unwrap();
+            }
         }
         opt.zero_grad();
     }
@@ -279,6 +308,8 @@ pub fn train_with(
         skipped: opt.skipped_steps(),
         reductions: ddp.as_ref().map_or(0, |d| d.reductions()),
         collectives: ddp.as_ref().map_or(0, |d| d.collectives()),
+        overlapped_steps: ddp.as_ref().map_or(0, |d| d.overlapped_steps()),
+        early_buckets: ddp.as_ref().map_or(0, |d| d.early_buckets()),
     }
 }
 

@@ -16,8 +16,11 @@ use crate::train::reduce::{StepGrads, StepReducer};
 use super::zero::{self, Sharding, Shards};
 
 mod device;
+mod overlapped;
 mod save;
 mod setup;
+
+pub use overlapped::NoSync;
 
 /// Settings of a [`DataParallel`].
 #[derive(Debug, Clone, PartialEq)]
@@ -84,6 +87,11 @@ struct Stats {
     transfer_s: Timings,
     /// Sharded runs: seconds in each all-gather of the updated working weights.
     gather_s: Timings,
+    /// Seconds each step's reduction kept the step waiting (all of `comm_s` without
+    /// overlap; with it, the wait for the buckets still on their way and what follows).
+    exposed_s: Timings,
+    /// Steps whose reduction used the buckets sent during the backward.
+    overlapped: u64,
 }
 
 /// Data-parallel training of one AMP run across the ranks of a [`Communicator`].
@@ -157,6 +165,10 @@ pub struct DataParallel {
     /// Which rank owns each parameter, when sharded.
     shards: Mutex<Shards>,
     sharding: Sharding,
+    /// Communication overlapped with the backward, when on.
+    overlap: Mutex<Option<Arc<super::overlap::Overlap>>>,
+    /// Whether synchronised batch norm is on (its group follows the overlap's thread).
+    sync_bn: std::sync::atomic::AtomicBool,
 }
 
 /// A step's flags as the ranks sum them: 1 for each parameter that had a gradient here, 1
@@ -233,6 +245,8 @@ impl DataParallel {
             run: Arc::downgrade(amp.run()),
             shards: Mutex::new(Shards::new(world)),
             sharding,
+            overlap: Mutex::new(None),
+            sync_bn: std::sync::atomic::AtomicBool::new(false),
         });
         ddp.check_same_model(amp)?;
         ddp.broadcast_params(amp)?;
@@ -316,9 +330,10 @@ impl DataParallel {
     /// device reduction (MPI, `LocalGroup`) each of those sums is one host read, counted in
     /// [`Amp::host_syncs`].
     pub fn sync_batch_norm(&self, amp: &Amp, on: bool) {
+        self.sync_bn.store(on, std::sync::atomic::Ordering::SeqCst);
         let group = on.then(|| crate::precision::autocast::SyncGroup {
             comm: Arc::new(super::counted::Counted::new(
-                self.comm.clone(),
+                self.collective_comm(),
                 Arc::downgrade(amp.run()),
             )),
             device_path: amp.run().device_path(),
@@ -372,6 +387,16 @@ impl DataParallel {
         lock(&self.stats).transfer_s.median_ms()
     }
 
+    /// The median time, in milliseconds, a step waited for its gradients' reduction (over the
+    /// last 1024 steps; 0 before the first): the communication left exposed. Without overlap
+    /// that is [`comm_ms`](Self::comm_ms); with [`set_overlap`](Self::set_overlap) it is the
+    /// wait for the buckets still on their way when the step starts plus the step's small
+    /// agreement, while `comm_ms` also counts the buckets' all-reduces that ran during the
+    /// backward.
+    pub fn comm_exposed_ms(&self) -> f64 {
+        lock(&self.stats).exposed_s.median_ms()
+    }
+
     /// The median time, in milliseconds, of the all-gather of the updated working weights
     /// after a step of a sharded run (over the last 1024; 0 before the first, and when not
     /// sharded). Not part of [`comm_ms`](Self::comm_ms), which times the gradients' reduction.
@@ -410,24 +435,22 @@ impl StepReducer for DataParallel {
             return Ok(());
         }
         let sizes: Vec<usize> = params.iter().map(|(_, d)| d.iter().product()).collect();
-        let n: usize = sizes.iter().sum();
-        let mut flat = Vec::with_capacity(n);
-        let mut device = None;
         let world = self.comm.world_size() as f32;
-        for ((name, _), &len) in params.iter().zip(&sizes) {
-            match grads.get(name) {
-                Some(g) => {
-                    device.get_or_insert_with(|| g.device().clone());
-                    // Divided before the sum, as PyTorch's DDP does: the sum of the shares
-                    // is finite wherever the average is (2e38 on each of two ranks averages
-                    // to 2e38, where their sum would be inf).
-                    let v = g.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-                    flat.extend(v.into_iter().map(|g| g / world));
-                }
-                None => flat.resize(flat.len() + len, 0.0),
-            }
-        }
+        // With overlap, the buckets sent during the backward: waited for here (what is still
+        // on its way is the exposed part of their time).
+        let overlap = self.overlap();
+        let t_drain = Instant::now();
+        let ov_flags = match &overlap {
+            Some(o) => Some(o.step_flags(&params)?),
+            None => None,
+        };
+        let drain_s = t_drain.elapsed().as_secs_f64();
+        let thread_s = overlap.as_ref().map_or(0.0, |o| o.take_thread_secs());
         let mut meta = step_meta(&params, grads, found_inf);
+        if let Some(f) = ov_flags {
+            let at = meta.len() - 1;
+            meta.splice(at..at, f.values());
+        }
         let check = params.len() as f32;
 
         // The first collective returns once the slowest rank has called it: the waiting.
@@ -444,6 +467,15 @@ impl StepReducer for DataParallel {
                     .into(),
             ));
         }
+        // The overlap's agreement: the buckets hold every rank's whole step; every rank
+        // learned the order; some rank's plan no longer fits.
+        let (use_buckets, learned_everywhere, stale) = match ov_flags {
+            Some(_) => {
+                let at = params.len() + found_inf.len();
+                (meta[at] == world, meta[at + 1] == world, meta[at + 2] > 0.0)
+            }
+            None => (false, false, false),
+        };
         let sharding = self.sharding;
         let me = self.comm.rank();
         let shards = if sharding.is_sharded() {
@@ -466,7 +498,29 @@ impl StepReducer for DataParallel {
         for (f, &v) in found_inf.iter_mut().zip(flags) {
             *f = v > 0.0;
         }
-        let device = device.unwrap_or(candle_core::Device::Cpu);
+        let device = grads
+            .values()
+            .next()
+            .map_or(candle_core::Device::Cpu, |g| g.device().clone());
+        let flat = if use_buckets {
+            Vec::new()
+        } else {
+            let mut flat = Vec::with_capacity(sizes.iter().sum());
+            for ((name, _), &len) in params.iter().zip(&sizes) {
+                match grads.get(name) {
+                    // Divided before the sum, as PyTorch's DDP does: the sum of the shares
+                    // is finite wherever the average is (2e38 on each of two ranks averages
+                    // to 2e38, where their sum would be inf).
+                    Some(g) => {
+                        let v = g.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+                        flat.extend(v.into_iter().map(|g| g / world));
+                    }
+                    None => flat.resize(flat.len() + len, 0.0),
+                }
+            }
+            flat
+        };
+        let mut flat = flat;
         // Only the collectives count as the transfer.
         let mut transfer_s = 0.0;
         let mut timed = |t: Instant| transfer_s += t.elapsed().as_secs_f64();
@@ -501,17 +555,32 @@ impl StepReducer for DataParallel {
                 rounds + 2
             }
             _ => {
-                let mut buckets: Vec<&mut [f32]> = flat.chunks_mut(per).collect();
-                let calls = buckets.len() as u64 + 1;
-                let t = Instant::now();
-                self.comm.all_reduce_sum_buckets(&mut buckets)?;
-                timed(t);
+                // With overlap, the averages are already in the buckets on every rank.
+                let results = overlap.as_ref().filter(|_| use_buckets).map(|o| o.results());
+                let calls = if results.is_some() {
+                    1
+                } else {
+                    let mut buckets: Vec<&mut [f32]> = flat.chunks_mut(per).collect();
+                    let calls = buckets.len() as u64 + 1;
+                    let t = Instant::now();
+                    self.comm.all_reduce_sum_buckets(&mut buckets)?;
+                    timed(t);
+                    calls
+                };
                 let mut at = 0;
                 for (((name, dims), &len), &had) in params.iter().zip(&sizes).zip(present) {
                     if had > 0.0 {
                         // The average is what the optimizer applies: checked in this pass, on
                         // every rank for every parameter (so the verdict needs no exchange).
-                        let avg = &flat[at..at + len];
+                        let avg = match &results {
+                            Some(r) => r.get(name).ok_or_else(|| {
+                                self.err(
+                                    DistErrorKind::Mismatch,
+                                    format!("parameter `{name}` is in no bucket of the overlap's plan"),
+                                )
+                            })?,
+                            None => &flat[at..at + len],
+                        };
                         if avg.iter().any(|g| !g.is_finite()) {
                             nonfinite.push(name.clone());
                         }
@@ -525,9 +594,20 @@ impl StepReducer for DataParallel {
                 calls
             }
         };
+        let mut calls = calls;
+        if let Some(o) = &overlap {
+            let t = Instant::now();
+            calls += o.after_agreement(&*self.comm, stale, learned_everywhere)?;
+            timed(t);
+        }
         *checked = true;
         *grads = out;
-        self.record(calls, wait_s, transfer_s);
+        // With overlap the buckets' all-reduces ran on the thread (during the backward,
+        // mostly); the step saw only the wait for those still on their way.
+        self.record_overlapped(calls, wait_s, transfer_s, thread_s, drain_s);
+        if use_buckets {
+            lock(&self.stats).overlapped += 1;
+        }
         Ok(())
     }
 
@@ -565,6 +645,22 @@ impl StepReducer for DataParallel {
         Ok(())
     }
 
+    fn begin_backward(&self, start: crate::train::reduce::BackwardStart<'_>) -> Result<()> {
+        self.begin_overlap(start)
+    }
+
+    fn flush_backward(
+        &self,
+        grads: &candle_core::backprop::GradStore,
+        params: &[(String, candle_core::Var)],
+    ) -> Result<()> {
+        self.flush_overlap(grads, params)
+    }
+
+    fn end_backward(&self, committed: bool) {
+        self.end_overlap(committed);
+    }
+
     fn keeps(&self, name: &str) -> bool {
         self.owner_of(name).is_none_or(|r| r == self.comm.rank())
     }
@@ -576,11 +672,17 @@ impl StepReducer for DataParallel {
 
 impl DataParallel {
     fn record(&self, calls: u64, wait_s: f64, transfer_s: f64) {
+        self.record_overlapped(calls, wait_s, transfer_s, 0.0, 0.0);
+    }
+
+    /// `thread_s`: the overlap thread's all-reduces; `drain_s`: the step's wait for them.
+    fn record_overlapped(&self, calls: u64, wait_s: f64, transfer_s: f64, thread_s: f64, drain_s: f64) {
         let mut st = lock(&self.stats);
         st.reductions += 1;
         st.collectives += calls;
         let st = &mut *st;
-        st.comm_s.push(wait_s + transfer_s);
+        st.comm_s.push(wait_s + transfer_s + thread_s);
+        st.exposed_s.push(wait_s + transfer_s + drain_s);
         st.wait_s.push(wait_s);
         st.transfer_s.push(transfer_s);
     }

@@ -234,6 +234,12 @@ impl AmpOptimizer {
             .collect())
     }
 
+    /// Parameter `name`'s master gradient accumulated so far in this step (`None` before its
+    /// first gradient): the value the next backward adds to.
+    pub(crate) fn live_grad(&self, name: &str) -> Option<Tensor> {
+        self.grads.get(name).cloned()
+    }
+
     /// Whether the gradients scaled by an outside `GradScaler` overflowed.
     pub(crate) fn external_found_inf(&self) -> bool {
         self.found_inf.get(&Round::External).copied().unwrap_or(false)

@@ -1,0 +1,184 @@
+//! The communication thread of an overlapped run: every collective of the run goes through
+//! it, one at a time, in the order they were handed over. Gradient buckets are handed over
+//! while the backward runs and sum there while the backward goes on; everything else (the
+//! step's flags, synchronised batch norm's sums) waits for its turn and for its result.
+//!
+//! One thread per rank keeps the order of collectives the program order on every rank (a
+//! second thread calling the backend would race the first: different orders on different
+//! ranks deadlock or mix buffers), and MPI needs only `Threading::Serialized`.
+
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use candle_core::Tensor;
+
+use crate::comm::Communicator;
+use crate::error::{AmpError, DistErrorKind, Result};
+
+/// A call the thread runs on the communicator.
+type Call = Box<dyn FnOnce(&dyn Communicator) + Send>;
+
+enum Job {
+    /// Sum bucket `id` in place and send it back.
+    Bucket {
+        id: usize,
+        buf: Vec<f32>,
+    },
+    Call(Call),
+}
+
+/// A summed bucket back from the thread.
+pub(crate) struct Done {
+    pub id: usize,
+    pub buf: Vec<f32>,
+    pub result: Result<()>,
+    /// Seconds the all-reduce took on the thread.
+    pub secs: f64,
+}
+
+/// The thread and its two channels.
+#[derive(Debug)]
+pub(crate) struct CommThread {
+    comm: Arc<dyn Communicator>,
+    jobs: Mutex<Sender<Job>>,
+    done: Mutex<Receiver<Done>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl CommThread {
+    /// Starts the thread over `comm`. It ends when this value is dropped (after the calls
+    /// handed over before).
+    pub(crate) fn start(comm: Arc<dyn Communicator>) -> Result<Self> {
+        let (jobs, rx) = channel::<Job>();
+        let (tx, done) = channel::<Done>();
+        let c = comm.clone();
+        std::thread::Builder::new()
+            .name(format!("candle-amp-comm-{}", comm.rank()))
+            .spawn(move || {
+                for job in rx {
+                    match job {
+                        Job::Bucket { id, mut buf } => {
+                            let t = Instant::now();
+                            let result = c.all_reduce_sum(&mut buf);
+                            let secs = t.elapsed().as_secs_f64();
+                            if tx.send(Done { id, buf, result, secs }).is_err() {
+                                return;
+                            }
+                        }
+                        Job::Call(f) => f(&*c),
+                    }
+                }
+            })
+            .map_err(|e| AmpError::Distributed {
+                rank: comm.rank(),
+                kind: DistErrorKind::Backend,
+                detail: format!("could not start the communication thread: {e}"),
+            })?;
+        Ok(Self {
+            comm,
+            jobs: Mutex::new(jobs),
+            done: Mutex::new(done),
+        })
+    }
+
+    fn gone(&self) -> AmpError {
+        AmpError::Distributed {
+            rank: self.comm.rank(),
+            kind: DistErrorKind::Backend,
+            detail: "the communication thread stopped (a collective panicked); start a new group".into(),
+        }
+    }
+
+    /// Hands bucket `id` over: its all-reduce starts after every call handed over before.
+    pub(crate) fn send_bucket(&self, id: usize, buf: Vec<f32>) -> Result<()> {
+        lock(&self.jobs).send(Job::Bucket { id, buf }).map_err(|_| self.gone())
+    }
+
+    /// The next summed bucket, in the order they were handed over (blocks until it is done).
+    pub(crate) fn next_done(&self) -> Result<Done> {
+        lock(&self.done).recv().map_err(|_| self.gone())
+    }
+
+    /// Runs `f` on the thread after everything handed over before, and returns its result.
+    pub(crate) fn call<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&dyn Communicator) -> Result<R> + Send + 'static,
+    ) -> Result<R> {
+        let (tx, rx) = channel();
+        let job: Call = Box::new(move |c| {
+            let _ = tx.send(f(c));
+        });
+        lock(&self.jobs).send(Job::Call(job)).map_err(|_| self.gone())?;
+        rx.recv().map_err(|_| self.gone())?
+    }
+}
+
+/// A [`Communicator`] whose every collective runs on a [`CommThread`], in turn with the
+/// gradient buckets: what synchronised batch norm uses while the run overlaps.
+#[derive(Debug)]
+pub(crate) struct Serial(pub Arc<CommThread>);
+
+impl Communicator for Serial {
+    fn rank(&self) -> usize {
+        self.0.comm.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.0.comm.world_size()
+    }
+
+    fn backend(&self) -> &'static str {
+        self.0.comm.backend()
+    }
+
+    fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()> {
+        let mut v = buf.to_vec();
+        v = self.0.call(move |c| c.all_reduce_sum(&mut v).map(|_| v))?;
+        buf.copy_from_slice(&v);
+        Ok(())
+    }
+
+    fn all_reduce_sum_tensor(&self, t: &Tensor) -> Result<Tensor> {
+        let t = t.clone();
+        self.0.call(move |c| c.all_reduce_sum_tensor(&t))
+    }
+
+    fn reduces_in_device_memory(&self) -> bool {
+        self.0.comm.reduces_in_device_memory()
+    }
+
+    fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<()> {
+        let mut v = buf.to_vec();
+        v = self.0.call(move |c| c.broadcast(&mut v, root).map(|_| v))?;
+        buf.copy_from_slice(&v);
+        Ok(())
+    }
+
+    fn broadcast_bytes(&self, buf: &mut Vec<u8>, root: usize) -> Result<()> {
+        let mut v = std::mem::take(buf);
+        *buf = self.0.call(move |c| c.broadcast_bytes(&mut v, root).map(|_| v))?;
+        Ok(())
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.0.call(|c| c.barrier())
+    }
+
+    fn reduce_scatter_sum(&self, send: &[f32], recv: &mut [f32]) -> Result<()> {
+        let (s, mut r) = (send.to_vec(), recv.to_vec());
+        r = self.0.call(move |c| c.reduce_scatter_sum(&s, &mut r).map(|_| r))?;
+        recv.copy_from_slice(&r);
+        Ok(())
+    }
+
+    fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8]) -> Result<()> {
+        let (s, mut r) = (send.to_vec(), recv.to_vec());
+        r = self.0.call(move |c| c.all_gather_bytes(&s, &mut r).map(|_| r))?;
+        recv.copy_from_slice(&r);
+        Ok(())
+    }
+}
