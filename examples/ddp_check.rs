@@ -160,6 +160,7 @@ fn main() -> Result<()> {
     }
     failures += collectives(&*comm, rank, world)?;
     failures += sharded(&comm, rank, world)?;
+    failures += overlapped(&comm, rank, world)?;
     // A rank that stops answering: the others fail with a timeout instead of hanging. Rank
     // 1+ arrive 3 s late at a barrier rank 0 waits for 1 s; then everyone meets again.
     mpi.set_timeout(Duration::from_secs(1));
@@ -271,6 +272,95 @@ fn sharded(comm: &Arc<dyn Communicator>, rank: usize, world: usize) -> Result<us
                     run.state.len()
                 );
             }
+        }
+    }
+    Ok(failures)
+}
+
+/// Communication overlapped with the backward across real processes: each overlapped run
+/// ends with the state of the same run without overlap, bit for bit on every rank, every
+/// step after the first reduced from the buckets sent during the backward. Returns the
+/// number of failed scenarios.
+fn overlapped(comm: &Arc<dyn Communicator>, rank: usize, world: usize) -> Result<usize> {
+    let ac = Extras::adamw_clipped();
+    let cases = [
+        (
+            "O2 f16, AdamW, clipped",
+            OptLevel::O2,
+            HalfType::F16,
+            Api::Guard,
+            false,
+            ac,
+        ),
+        (
+            "O1 bf16, 2 micro-batches under no_sync, AdamW, clipped",
+            OptLevel::O1,
+            HalfType::Bf16,
+            Api::GuardAccumulating,
+            false,
+            Extras { no_sync: true, ..ac },
+        ),
+        (
+            "O3 f16, synchronised batch norm",
+            OptLevel::O3,
+            HalfType::F16,
+            Api::Guard,
+            true,
+            Extras::default(),
+        ),
+        (
+            "O2 bf16, ZeRO-1",
+            OptLevel::O2,
+            HalfType::Bf16,
+            Api::Guard,
+            false,
+            Extras {
+                sharding: Sharding::Stage1,
+                ..Extras::default()
+            },
+        ),
+    ];
+    let mut failures = 0;
+    for (name, level, half, api, bn, extras) in cases {
+        let plain = train_with(Some(comm.clone()), world, level, half, api, bn, false, extras);
+        let over = train_with(
+            Some(comm.clone()),
+            world,
+            level,
+            half,
+            api,
+            bn,
+            false,
+            Extras {
+                overlap: true,
+                ..extras
+            },
+        );
+        let mut problems = Vec::new();
+        if over.state != plain.state || over.working != plain.working {
+            problems.push("the weights differ from the run without overlap".to_string());
+        }
+        if over.skipped != plain.skipped || over.norms != plain.norms {
+            problems.push("skipped steps or clipping norms differ".to_string());
+        }
+        if over.overlapped_steps != STEPS as u64 - 1 || over.early_buckets == 0 {
+            problems.push(format!(
+                "{} of {STEPS} steps reduced from the buckets, {} bucket(s) sent during the backward",
+                over.overlapped_steps, over.early_buckets
+            ));
+        }
+        let mut bad = [problems.len() as f32];
+        comm.all_reduce_sum(&mut bad)?;
+        for p in &problems {
+            eprintln!("rank {rank}: overlap {name}: {p}");
+        }
+        if bad[0] > 0.0 {
+            failures += 1;
+        } else if rank == 0 {
+            eprintln!(
+                "overlap {name}: {world} ranks step bit for bit like the run without overlap; {} bucket(s) left during the backward",
+                over.early_buckets
+            );
         }
     }
     Ok(failures)

@@ -4,7 +4,8 @@
 //! test binary holds this one test only) sees the process, all `LocalGroup` ranks together,
 //! hold `N - 1` copies of the masters and state fewer than the unsharded ranks, measured
 //! while every rank is at the same point after its steps. A long sharded run's memory does
-//! not grow with the step count.
+//! not grow with the step count, nor does an overlapped run's (`DataParallel::set_overlap`:
+//! its buckets and thread).
 
 mod common;
 mod counting;
@@ -93,11 +94,11 @@ fn held_after_steps(
     (mine, whole, live)
 }
 
-/// Live bytes of the process (all ranks) after `a` and after `b` sharded steps (rank 0 reads
-/// them while every rank waits at a barrier).
+/// Live bytes of the process (all ranks) after `a` and after `b` steps, sharded as `stage`,
+/// overlapped or not (rank 0 reads them while every rank waits at a barrier).
 fn live_at(
     c: std::sync::Arc<dyn amp::distributed::Communicator>,
-    stage: Sharding,
+    (stage, overlap): (Sharding, bool),
     a: usize,
     b: usize,
 ) -> (isize, isize) {
@@ -105,7 +106,10 @@ fn live_at(
     let amp = amp::Amp::new(cfg, &Device::Cpu).unwrap();
     let model = amp.model(Stack::new).unwrap();
     let mut opt = amp.optimizer(AdamW::new(AdamWConfig::default()).unwrap()).unwrap();
-    let ddp = DataParallel::sharded(&amp, c, Default::default(), stage).unwrap();
+    // Buckets of 4 KiB: several, so that some leave during the backward.
+    let config = amp::distributed::DataParallelConfig { bucket_bytes: 4096 };
+    let ddp = DataParallel::sharded(&amp, c, config, stage).unwrap();
+    ddp.set_overlap(&amp, overlap).unwrap();
     let x = Tensor::ones((4, WIDTH), DType::F32, &Device::Cpu).unwrap();
     let mut seen = Vec::new();
     for step in 1..=b {
@@ -121,19 +125,33 @@ fn live_at(
             ddp.barrier().unwrap();
         }
     }
+    if overlap {
+        assert_eq!(
+            ddp.overlapped_steps(),
+            b as u64 - 1,
+            "every step after the first overlapped"
+        );
+        assert!(ddp.early_buckets() > 0);
+    }
     (seen[0], seen[1])
 }
 
 #[test]
 fn each_rank_holds_its_share_of_the_masters_and_optimizer_state() {
-    // A long sharded run holds no more after 400 steps than after 100 (one test function: the
-    // allocator counts the whole process). The slack, 256 bytes, is below what one byte more
-    // per step would add over the 300 steps between.
-    for stage in [Sharding::Stage1, Sharding::Stage2] {
-        let r = common::on_ranks(2, Duration::from_secs(60), |c| live_at(c, stage, 100, 400));
+    // A long sharded or overlapped run holds no more after 400 steps than after 100 (one
+    // test function: the allocator counts the whole process). The slack, 256 bytes, is below
+    // what one byte more per step would add over the 300 steps between.
+    for run in [
+        (Sharding::Stage1, false),
+        (Sharding::Stage2, false),
+        (Sharding::None, true),
+        (Sharding::Stage1, true),
+    ] {
+        let r = common::on_ranks(2, Duration::from_secs(60), |c| live_at(c, run, 100, 400));
         let (early, late) = r[0];
-        eprintln!("{stage}: {early} bytes live after 100 steps, {late} after 400");
-        assert!(late <= early + 256, "{stage}: memory grew from {early} to {late} bytes");
+        let what = format!("{}{}", run.0, if run.1 { ", overlapped" } else { "" });
+        eprintln!("{what}: {early} bytes live after 100 steps, {late} after 400");
+        assert!(late <= early + 256, "{what}: memory grew from {early} to {late} bytes");
     }
     for world in [2, 4] {
         let plain = common::on_ranks(world, Duration::from_secs(60), |c| held_after_steps(c, Sharding::None));

@@ -5,21 +5,25 @@
 //! cargo build --release --features mpi --example ddp
 //! mpirun -np 2 target/release/examples/ddp [--opt-level O0|O1|O2|O3]... [--half f16|bf16]
 //!     [--data FILE.csv] [--steps N] [--seed N] [--batch N] [--bucket-kb N] [--timeout SECS] [--json]
-//!     [--sharding none|1|2] [--save DIR] [--resume DIR] [--report DIR]
+//!     [--sharding none|1|2] [--overlap] [--save DIR] [--resume DIR] [--report DIR]
 //! ```
 //!
 //! Run without a launcher it prints how to launch it. The flags are the `train` example's
 //! (the model is the MLP); `--batch` is the global batch (128), split evenly over the ranks;
 //! `--bucket-kb` the gradient bucket size (25 MiB, PyTorch's default); `--timeout` how long a
 //! rank waits for the others before failing (300 s); `--sharding 1` or `2` shards the f32
-//! master weights and optimizer state over the ranks (ZeRO stage 1 or 2; `none` by default).
+//! master weights and optimizer state over the ranks (ZeRO stage 1 or 2; `none` by default);
+//! `--overlap` sends the gradients while the backward runs (`DataParallel::set_overlap`).
 //! Rank 0 alone prints the table, progress and JSON lines and writes checkpoints and
 //! reports; the JSON lines carry `world_size`, `global_batch`, `comm_ms` (the median time
 //! per step of the gradient all-reduce), and its two parts `comm_wait_ms` (waiting in the
 //! step's first collective for the slowest rank's backward) and `comm_transfer_ms` (the
 //! gradient buckets after it) beside the `train` example's keys, and `sharding`,
 //! `comm_gather_ms` (the all-gather of the updated weights of a sharded run) and
-//! `master_state_bytes` (rank 0's f32 masters and optimizer state). A checkpoint
+//! `master_state_bytes` (rank 0's f32 masters and optimizer state), and `overlap`,
+//! `comm_exposed_ms` (how long a step waited for its reduction: all of `comm_ms` without
+//! overlap), `comm_exposed_share` (the two's ratio), `overlapped_steps` and `early_buckets`
+//! (buckets sent while the backward still ran). A checkpoint
 //! written on one number of ranks resumes on any other, sharded or not.
 
 #[path = "../train/cli.rs"]
@@ -62,11 +66,12 @@ struct Args {
     resume: Option<String>,
     report: Option<String>,
     sharding: Sharding,
+    overlap: bool,
 }
 
 fn usage() -> &'static str {
     "usage: mpirun -np N ddp [--opt-level O0|O1|O2|O3]... [--half f16|bf16] [--data FILE.csv] \
-     [--steps N] [--seed N] [--batch N] [--bucket-kb N] [--timeout SECS] [--json] [--sharding none|1|2] [--save DIR] [--resume DIR] [--report DIR]"
+     [--steps N] [--seed N] [--batch N] [--bucket-kb N] [--timeout SECS] [--json] [--sharding none|1|2] [--overlap] [--save DIR] [--resume DIR] [--report DIR]"
 }
 
 fn launch_help(program: &str) -> String {
@@ -102,6 +107,7 @@ fn parse_args() -> Result<Args> {
         resume: None,
         report: None,
         sharding: Sharding::None,
+        overlap: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -130,6 +136,7 @@ fn parse_args() -> Result<Args> {
                     other => bail!("--sharding takes none, 1 or 2 (ZeRO stage), got {other:?}"),
                 }
             }
+            "--overlap" => a.overlap = true,
             "--save" => a.save = Some(value()?),
             "--resume" => a.resume = Some(value()?),
             "--report" => a.report = Some(value()?),
@@ -183,6 +190,9 @@ struct RunResult {
     comm_wait_ms: f64,
     comm_transfer_ms: f64,
     comm_gather_ms: f64,
+    comm_exposed_ms: f64,
+    overlapped_steps: u64,
+    early_buckets: u64,
     master_state_bytes: usize,
     autocast_ops: usize,
     progress: Progress,
@@ -259,6 +269,7 @@ fn train_one(comm: &Arc<dyn Communicator>, d: &Data, level: amp::OptLevel, a: &A
         },
         a.sharding,
     )?;
+    ddp.set_overlap(&amp, a.overlap)?;
 
     let per_rank = a.batch.div_ceil(world);
     let mut sampler = DistributedSampler::new(d.train.len(), world, rank)?
@@ -372,6 +383,9 @@ fn train_one(comm: &Arc<dyn Communicator>, d: &Data, level: amp::OptLevel, a: &A
         comm_wait_ms: ddp.comm_wait_ms(),
         comm_transfer_ms: ddp.comm_transfer_ms(),
         comm_gather_ms: ddp.comm_gather_ms(),
+        comm_exposed_ms: ddp.comm_exposed_ms(),
+        overlapped_steps: ddp.overlapped_steps(),
+        early_buckets: ddp.early_buckets(),
         master_state_bytes: amp.store().master_bytes() + opt.state_bytes()?,
         autocast_ops: amp.autocast_ops(),
         progress,
@@ -424,7 +438,7 @@ fn main() -> Result<()> {
     let d = agree(&comm, "preparing", prepared)?;
 
     let mut table = format!(
-        "{:<6} {:<5} {:<6} {:>5} {:>10} {:>10} {:>9} {:>8} {:>12} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9}\n",
+        "{:<6} {:<5} {:<6} {:>5} {:>10} {:>10} {:>9} {:>8} {:>12} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9}\n",
         "level",
         "half",
         "params",
@@ -438,6 +452,7 @@ fn main() -> Result<()> {
         "comm_ms",
         "wait_ms",
         "xfer_ms",
+        "exp_ms",
         "gath_ms",
         "state_kb"
     );
@@ -466,6 +481,11 @@ fn main() -> Result<()> {
                 "sharding": a.sharding.to_string(),
                 "comm_gather_ms": r.comm_gather_ms,
                 "master_state_bytes": r.master_state_bytes,
+                "overlap": a.overlap,
+                "comm_exposed_ms": r.comm_exposed_ms,
+                "comm_exposed_share": if r.comm_ms > 0.0 { r.comm_exposed_ms / r.comm_ms } else { 0.0 },
+                "overlapped_steps": r.overlapped_steps,
+                "early_buckets": r.early_buckets,
             });
             if level == amp::OptLevel::O1 {
                 line["autocast_ops"] = r.autocast_ops.into();
@@ -473,7 +493,7 @@ fn main() -> Result<()> {
             println!("{line}");
         }
         table.push_str(&format!(
-            "{:<6} {:<5} {:<6} {:>5} {:>10.4} {:>10.4} {:>8.2}% {:>8} {:>12} {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>9.1}\n",
+            "{:<6} {:<5} {:<6} {:>5} {:>10.4} {:>10.4} {:>8.2}% {:>8} {:>12} {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>9.1}\n",
             level.to_string(),
             half_label(level, a.half),
             r.param_dtype.as_str(),
@@ -487,6 +507,7 @@ fn main() -> Result<()> {
             r.comm_ms,
             r.comm_wait_ms,
             r.comm_transfer_ms,
+            r.comm_exposed_ms,
             r.comm_gather_ms,
             r.master_state_bytes as f64 / 1024.0
         ));
