@@ -444,7 +444,7 @@ impl StepReducer for DataParallel {
             Some(o) => Some(o.step_flags(&params)?),
             None => None,
         };
-        let drain_s = t_drain.elapsed().as_secs_f64();
+        let drain_s = if overlap.is_some() { t_drain.elapsed().as_secs_f64() } else { 0.0 };
         let thread_s = overlap.as_ref().map_or(0.0, |o| o.take_thread_secs());
         let mut meta = step_meta(&params, grads, found_inf);
         if let Some(f) = ov_flags {

@@ -41,8 +41,22 @@ pub(crate) struct Done {
 #[derive(Debug)]
 pub(crate) struct CommThread {
     comm: Arc<dyn Communicator>,
-    jobs: Mutex<Sender<Job>>,
+    /// `None` once dropping.
+    jobs: Mutex<Option<Sender<Job>>>,
     done: Mutex<Receiver<Done>>,
+    handle: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Drop for CommThread {
+    /// Ends the thread and waits for it: its handle on the communicator goes before this
+    /// returns, so the process's last handle (MPI: the one that finalises) stays on the
+    /// thread that dropped it, and no collective runs after the group is gone.
+    fn drop(&mut self) {
+        drop(lock(&self.jobs).take());
+        if let Some(h) = lock(&self.handle).take() {
+            let _ = h.join();
+        }
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -56,7 +70,7 @@ impl CommThread {
         let (jobs, rx) = channel::<Job>();
         let (tx, done) = channel::<Done>();
         let c = comm.clone();
-        std::thread::Builder::new()
+        let handle = std::thread::Builder::new()
             .name(format!("candle-amp-comm-{}", comm.rank()))
             .spawn(move || {
                 for job in rx {
@@ -80,8 +94,9 @@ impl CommThread {
             })?;
         Ok(Self {
             comm,
-            jobs: Mutex::new(jobs),
+            jobs: Mutex::new(Some(jobs)),
             done: Mutex::new(done),
+            handle: Mutex::new(Some(handle)),
         })
     }
 
@@ -95,7 +110,14 @@ impl CommThread {
 
     /// Hands bucket `id` over: its all-reduce starts after every call handed over before.
     pub(crate) fn send_bucket(&self, id: usize, buf: Vec<f32>) -> Result<()> {
-        lock(&self.jobs).send(Job::Bucket { id, buf }).map_err(|_| self.gone())
+        self.send(Job::Bucket { id, buf })
+    }
+
+    fn send(&self, job: Job) -> Result<()> {
+        match lock(&self.jobs).as_ref() {
+            Some(tx) => tx.send(job).map_err(|_| self.gone()),
+            None => Err(self.gone()),
+        }
     }
 
     /// The next summed bucket, in the order they were handed over (blocks until it is done).
@@ -112,7 +134,7 @@ impl CommThread {
         let job: Call = Box::new(move |c| {
             let _ = tx.send(f(c));
         });
-        lock(&self.jobs).send(Job::Call(job)).map_err(|_| self.gone())?;
+        self.send(Job::Call(job))?;
         rx.recv().map_err(|_| self.gone())?
     }
 }
