@@ -5,7 +5,7 @@
 //! cargo build --release --features mpi --example ddp
 //! mpirun -np 2 target/release/examples/ddp [--opt-level O0|O1|O2|O3]... [--half f16|bf16]
 //!     [--data FILE.csv] [--steps N] [--seed N] [--batch N] [--bucket-kb N] [--timeout SECS] [--json]
-//!     [--sharding none|1|2] [--overlap] [--save DIR] [--resume DIR] [--report DIR]
+//!     [--sharding none|1|2] [--overlap] [--hidden N] [--layers N] [--save DIR] [--resume DIR] [--report DIR]
 //! ```
 //!
 //! Run without a launcher it prints how to launch it. The flags are the `train` example's
@@ -13,7 +13,9 @@
 //! `--bucket-kb` the gradient bucket size (25 MiB, PyTorch's default); `--timeout` how long a
 //! rank waits for the others before failing (300 s); `--sharding 1` or `2` shards the f32
 //! master weights and optimizer state over the ranks (ZeRO stage 1 or 2; `none` by default);
-//! `--overlap` sends the gradients while the backward runs (`DataParallel::set_overlap`).
+//! `--overlap` sends the gradients while the backward runs (`DataParallel::set_overlap`);
+//! `--hidden N` and `--layers N` set the MLP's hidden width (256) and hidden layers (2), for
+//! more gradient bytes per step and more backward to hide them behind.
 //! Rank 0 alone prints the table, progress and JSON lines and writes checkpoints and
 //! reports; the JSON lines carry `world_size`, `global_batch`, `comm_ms` (the median time
 //! per step of the gradient all-reduce), and its two parts `comm_wait_ms` (waiting in the
@@ -50,8 +52,6 @@ use cli::{adamw, check_writable, half_label, rows, weight_dtype};
 use data::Dataset;
 use models::Mlp;
 
-const HIDDEN: usize = 256;
-
 struct Args {
     levels: Vec<amp::OptLevel>,
     half: amp::HalfType,
@@ -67,11 +67,14 @@ struct Args {
     report: Option<String>,
     sharding: Sharding,
     overlap: bool,
+    /// The MLP's hidden width and hidden layers.
+    hidden: usize,
+    layers: usize,
 }
 
 fn usage() -> &'static str {
     "usage: mpirun -np N ddp [--opt-level O0|O1|O2|O3]... [--half f16|bf16] [--data FILE.csv] \
-     [--steps N] [--seed N] [--batch N] [--bucket-kb N] [--timeout SECS] [--json] [--sharding none|1|2] [--overlap] [--save DIR] [--resume DIR] [--report DIR]"
+     [--steps N] [--seed N] [--batch N] [--bucket-kb N] [--timeout SECS] [--json] [--sharding none|1|2] [--overlap] [--hidden N] [--layers N] [--save DIR] [--resume DIR] [--report DIR]"
 }
 
 fn launch_help(program: &str) -> String {
@@ -108,6 +111,8 @@ fn parse_args() -> Result<Args> {
         report: None,
         sharding: Sharding::None,
         overlap: false,
+        hidden: 256,
+        layers: 2,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -137,6 +142,8 @@ fn parse_args() -> Result<Args> {
                 }
             }
             "--overlap" => a.overlap = true,
+            "--hidden" => a.hidden = value()?.parse().context("--hidden takes a positive integer")?,
+            "--layers" => a.layers = value()?.parse().context("--layers takes a positive integer")?,
             "--save" => a.save = Some(value()?),
             "--resume" => a.resume = Some(value()?),
             "--report" => a.report = Some(value()?),
@@ -152,6 +159,9 @@ fn parse_args() -> Result<Args> {
     }
     if a.batch == 0 {
         bail!("--batch must be at least 1");
+    }
+    if a.hidden == 0 || a.layers == 0 {
+        bail!("--hidden and --layers must be at least 1");
     }
     if a.bucket_kb == 0 {
         bail!("--bucket-kb must be at least 1");
@@ -232,7 +242,7 @@ fn train_one(comm: &Arc<dyn Communicator>, d: &Data, level: amp::OptLevel, a: &A
         .seed(a.seed)
         .verbosity(if main { 1 } else { 0 });
     let amp = amp::Amp::new(config, &Device::Cpu)?;
-    let model = amp.model(|vb| Mlp::new(vb, d.train.width, HIDDEN, d.classes))?;
+    let model = amp.model(|vb| Mlp::deep(vb, d.train.width, a.hidden, a.layers, d.classes))?;
     let mut opt = amp.optimizer(adamw()?)?;
     let param_dtype = weight_dtype(&amp)?;
 
@@ -475,6 +485,8 @@ fn main() -> Result<()> {
                 "step_ms": r.step_ms,
                 "world_size": world,
                 "global_batch": a.batch.div_ceil(world) * world,
+                "hidden": a.hidden,
+                "layers": a.layers,
                 "comm_ms": r.comm_ms,
                 "comm_wait_ms": r.comm_wait_ms,
                 "comm_transfer_ms": r.comm_transfer_ms,

@@ -15,13 +15,21 @@ pub struct Mlp(ann::Mlp);
 impl Mlp {
     /// Builds the MLP with parameters `fc1.*`, `fc2.*`, `fc3.*`.
     pub fn new(vb: VarBuilder, input: usize, hidden: usize, classes: usize) -> Result<Self> {
+        Self::deep(vb, input, hidden, 2, classes)
+    }
+
+    /// `layers` hidden layers of width `hidden` (`fc1` to `fc{layers}`), then `fc{layers+1}`
+    /// to the classes; [`new`](Self::new) is 2.
+    pub fn deep(vb: VarBuilder, input: usize, hidden: usize, layers: usize, classes: usize) -> Result<Self> {
         // The activations run inside the layers (`with_activation`) and the layers as one
         // fused module (`nn::Mlp`): no half tensor between them is an edge of candle's graph.
-        Ok(Self(ann::Mlp::new(vec![
-            ann::linear(input, hidden, vb.pp("fc1"))?.with_activation(Activation::Relu),
-            ann::linear(hidden, hidden, vb.pp("fc2"))?.with_activation(Activation::Relu),
-            ann::linear(hidden, classes, vb.pp("fc3"))?,
-        ])))
+        let mut all = Vec::with_capacity(layers + 1);
+        for i in 0..layers {
+            let from = if i == 0 { input } else { hidden };
+            all.push(ann::linear(from, hidden, vb.pp(format!("fc{}", i + 1)))?.with_activation(Activation::Relu));
+        }
+        all.push(ann::linear(hidden, classes, vb.pp(format!("fc{}", layers + 1)))?);
+        Ok(Self(ann::Mlp::new(all)))
     }
 }
 

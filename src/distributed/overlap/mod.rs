@@ -22,7 +22,10 @@
 //! `no_sync` on some ranks only): the step fails with a `Mismatch` naming the bucket.
 
 pub(crate) mod plan;
+mod results;
 pub(crate) mod thread;
+
+pub(crate) use results::{Results, StepFlags};
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -134,24 +137,6 @@ fn about(e: AmpError, what: &str) -> AmpError {
             detail: format!("{what}: {detail}"),
         },
         e => e,
-    }
-}
-
-/// What a rank brings to the step's agreement.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct StepFlags {
-    /// The buckets hold this step's gradients of every parameter asked about.
-    pub valid: bool,
-    /// A learning backward's order waits for a plan.
-    pub learned: bool,
-    /// The plan no longer fits.
-    pub stale: bool,
-}
-
-impl StepFlags {
-    /// As the values the ranks sum.
-    pub(crate) fn values(self) -> [f32; 3] {
-        [self.valid, self.learned, self.stale].map(|b| if b { 1.0 } else { 0.0 })
     }
 }
 
@@ -584,19 +569,5 @@ impl ReadyHook for Overlap {
                 }
             }
         }
-    }
-}
-
-/// The buckets' averaged gradients, held while the step reads them.
-pub(crate) struct Results<'a>(MutexGuard<'a, State>);
-
-impl Results<'_> {
-    /// Parameter `name`'s average (`None`: not in the plan).
-    pub(crate) fn get(&self, name: &str) -> Option<&[f32]> {
-        let plan = self.0.plan.as_ref()?;
-        let i = plan.index(name)?;
-        let (b, off) = plan.slot[i];
-        let buf = self.0.bufs.get(b)?.as_ref()?;
-        Some(&buf[off..off + plan.entries[i].size])
     }
 }
