@@ -271,6 +271,68 @@ fn overlap_is_switched_on_everywhere_or_nowhere_and_not_under_stage_2() {
         assert!(matches!(e, AmpError::InvalidArgument { .. }), "{e}");
         assert!(e.to_string().contains("Stage1"), "{e}");
         assert!(!on);
+    } // The device path on one rank only: refused on both (none goes on alone).
+    let errs = on_ranks(2, T, |c| {
+        let cfg = AmpConfig::new(OptLevel::O2)
+            .seed(1)
+            .verbosity(0)
+            .device_path(c.rank() == 1);
+        let amp = amp::Amp::new(cfg, &Device::Cpu).unwrap();
+        let _model = amp.model(|vb| amp::nn::linear(4, 1, vb.pp("fc"))).unwrap();
+        let _opt = amp
+            .optimizer(amp::optim::Sgd::new(amp::optim::SgdConfig::new(0.1)).unwrap())
+            .unwrap();
+        let ddp = ddp_for(&amp, c);
+        let e = ddp.set_overlap(&amp, true).unwrap_err();
+        (e, ddp.overlaps())
+    });
+    for (e, on) in errs {
+        assert!(matches!(e, AmpError::InvalidArgument { .. }), "{e}");
+        assert!(!on);
+    }
+}
+
+/// Two optimizers over one backward (`scale_loss_multi`): both step from the buckets, and
+/// the run ends where the run without overlap ends.
+#[test]
+fn two_optimizers_of_one_backward_both_step_from_the_buckets() {
+    let run = |overlap: bool| {
+        on_ranks(2, T, |c| {
+            let rank = c.rank();
+            let amp = amp::Amp::new(
+                AmpConfig::new(OptLevel::O2).seed(50 + rank as u64).verbosity(0),
+                &Device::Cpu,
+            )
+            .unwrap();
+            let model = amp.model(|vb| Net::new(vb, false)).unwrap();
+            let sgd = amp::optim::Sgd::new(amp::optim::SgdConfig::new(0.05)).unwrap();
+            let mut sgd = amp.optimizer_for(sgd, |n| n.starts_with("a.")).unwrap();
+            let adamw = amp::optim::AdamW::new(Default::default()).unwrap();
+            let mut adamw = amp.optimizer_for(adamw, |n| !n.starts_with("a.")).unwrap();
+            let ddp = DataParallel::new(&amp, c, DataParallelConfig { bucket_bytes: 256 }).unwrap();
+            ddp.set_overlap(&amp, overlap).unwrap();
+            for (x, y) in data_with(false) {
+                let (x, y) = (shard(&x, rank, 2), shard(&y, rank, 2));
+                let out = model.forward(&x).unwrap().to_dtype(DType::F32).unwrap();
+                let loss = amp::ops::mse(&out, &y).unwrap();
+                amp.scale_loss_multi(&loss, 0, vec![&mut sgd, &mut adamw])
+                    .unwrap()
+                    .backward()
+                    .unwrap();
+                sgd.step().unwrap();
+                adamw.step().unwrap();
+                sgd.zero_grad();
+                adamw.zero_grad();
+            }
+            (state_of(&amp), ddp.overlapped_steps())
+        })
+    };
+    let plain = run(false);
+    let over = run(true);
+    for r in 0..2 {
+        assert_eq!(over[r].0, plain[r].0, "rank {r}");
+        // Both optimizers of every step but the first (which learns the order).
+        assert_eq!(over[r].1, 2 * (STEPS as u64 - 1), "rank {r}");
     }
 }
 

@@ -38,7 +38,7 @@ impl DataParallel {
         } else {
             0.0
         };
-        let thread_s = overlap.as_ref().map_or(0.0, |o| o.take_thread_secs());
+        let (thread_s, summed) = overlap.as_ref().map_or((0.0, 0), |o| o.take_thread_secs());
         let mut meta = step_meta(&params, grads, found_inf);
         if let Some(f) = ov_flags {
             let at = meta.len() - 1;
@@ -187,7 +187,7 @@ impl DataParallel {
                 calls
             }
         };
-        let mut calls = calls;
+        let mut calls = calls + summed;
         if let Some(o) = &overlap {
             let t = Instant::now();
             calls += o.after_agreement(&*self.comm, stale, learned_everywhere)?;

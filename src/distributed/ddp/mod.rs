@@ -316,7 +316,7 @@ impl DataParallel {
     /// Waits for every rank (e.g. rank 0 prepares data or writes a checkpoint, the others
     /// wait for it).
     pub fn barrier(&self) -> Result<()> {
-        self.comm.barrier()
+        self.collective_comm().barrier()
     }
 
     /// Switches synchronised batch norm on (or off) for every `nn::batch_norm` layer of
@@ -359,13 +359,20 @@ impl DataParallel {
     /// Sharded runs: stage 2 counts one per reduce-scatter round and one for the agreement
     /// on inf/NaN instead of the buckets; both stages count one per all-gather round of the
     /// updated weights after each applied step (rounds of about `bucket_bytes` in all).
+    /// With [`set_overlap`](Self::set_overlap): one per bucket the backwards sent since the
+    /// last step (every bucket of every overlapped backward), plus the flags, plus the
+    /// buckets again where the step could not use them, plus two when the plan is made.
     pub fn collectives(&self) -> u64 {
         lock(&self.stats).collectives
     }
 
     /// The median time, in milliseconds, of the gradient collectives of one step over the
     /// last 1024 steps (0 before the first): [`comm_wait_ms`](Self::comm_wait_ms) and
-    /// [`comm_transfer_ms`](Self::comm_transfer_ms) together.
+    /// [`comm_transfer_ms`](Self::comm_transfer_ms) together, and with
+    /// [`set_overlap`](Self::set_overlap) the all-reduces the communication thread ran for
+    /// the step's buckets (mostly during the backward; each includes waiting for the other
+    /// ranks to reach that bucket). What the step itself waited is
+    /// [`comm_exposed_ms`](Self::comm_exposed_ms).
     pub fn comm_ms(&self) -> f64 {
         lock(&self.stats).comm_s.median_ms()
     }

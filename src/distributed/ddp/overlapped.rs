@@ -60,13 +60,22 @@ impl DataParallel {
     /// Gradient accumulation: wrap the backwards of every micro-batch but the last in
     /// [`no_sync`](Self::no_sync) (PyTorch's pattern); without it each backward sends its
     /// buckets (correct, only more traffic). Costs: one f32 copy of the trained gradients
-    /// per rank (the buckets), allocated once, and a thread. On the device path
-    /// ([`Amp::device_path`]) backwards send nothing (the reduction stays at the step).
-    /// Refused with [`AmpError::InvalidArgument`] under ZeRO stage 2 (its gradients are
-    /// reduce-scattered at the step). While on, synchronised batch norm's sums take their
-    /// turn on the same thread, so every rank runs its collectives in the same order.
+    /// per rank (the buckets), allocated once, and a thread.
+    /// Refused with [`AmpError::InvalidArgument`], on every rank, under ZeRO stage 2 (its
+    /// gradients are reduce-scattered at the step) and on the device path. While on,
+    /// synchronised batch norm's sums, [`barrier`](Self::barrier),
+    /// [`broadcast_buffers`](Self::broadcast_buffers) and
+    /// [`save_checkpoint`](Self::save_checkpoint) take their turn on the same thread, so
+    /// every rank runs its collectives in the same order; collectives of your own on the
+    /// [`communicator`](Self::communicator) belong between a step and the next backward
+    /// (where no bucket is on its way).
     pub fn set_overlap(&self, amp: &Amp, on: bool) -> Result<()> {
-        let mut agree = [if on { 1.0f32 } else { 0.0 }];
+        // Refusals are agreed too, so that no rank goes on while another stopped.
+        let stage2 = self.sharding == super::Sharding::Stage2;
+        let device = amp.run().device_path();
+        let refused = on && (stage2 || device);
+        let flag = |b: bool| if b { 1.0f32 } else { 0.0 };
+        let mut agree = [flag(on), flag(refused)];
         self.collective_comm().all_reduce_sum(&mut agree)?;
         if agree[0] != 0.0 && agree[0] != self.comm.world_size() as f32 {
             return Err(self.err(
@@ -78,12 +87,19 @@ impl DataParallel {
                 ),
             ));
         }
-        if on && self.sharding == super::Sharding::Stage2 {
+        if agree[1] > 0.0 {
+            let reason = if stage2 {
+                "ZeRO stage 2 reduce-scatters the gradients at the step, which does not overlap the backward: use \
+                 Sharding::Stage1 (all-reduce, overlapped) or no overlap"
+            } else if device {
+                "the device path reduces device tensors at the step (NCCL enqueues them on the device): overlap is \
+                 for the host path"
+            } else {
+                "another rank cannot overlap (ZeRO stage 2 or the device path there)"
+            };
             return Err(AmpError::InvalidArgument {
                 argument: "on",
-                reason: "ZeRO stage 2 reduce-scatters the gradients at the step, which does not overlap the \
-                         backward: use Sharding::Stage1 (all-reduce, overlapped) or no overlap"
-                    .into(),
+                reason: reason.into(),
             });
         }
         let mut slot = lock(&self.overlap);

@@ -28,8 +28,9 @@ impl DataParallel {
             self.place(&amp.run().store, &zero::trainable_sizes(amp.store()));
             let me = self.comm.rank();
             let owns = |name: &str| lock(&self.shards).owner(name).map(|r| r == me);
-            return dir.save_sharded(amp, optimizers, step, extra, &*self.comm, &owns);
+            return dir.save_sharded(amp, optimizers, step, extra, &*self.collective_comm(), &owns);
         }
-        dir.save_on_rank0(amp, optimizers, step, extra, &*self.comm)
+        // With overlap on, its collectives take their turn after any bucket still on its way.
+        dir.save_on_rank0(amp, optimizers, step, extra, &*self.collective_comm())
     }
 }

@@ -74,8 +74,9 @@ impl DataParallel {
             flat.extend(p.f32_value()?.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
         }
         let per = (self.config.bucket_bytes / 4).max(1);
+        let comm = self.collective_comm();
         for chunk in flat.chunks_mut(per) {
-            self.comm.broadcast(chunk, 0)?;
+            comm.broadcast(chunk, 0)?;
         }
         if self.is_main() {
             return Ok(());

@@ -82,6 +82,8 @@ struct State {
     error: Option<AmpError>,
     /// Seconds the thread spent in all-reduces since the last step.
     thread_secs: f64,
+    /// Buckets the thread summed since the last step.
+    summed: u64,
     /// Buckets whose all-reduce started during candle's backward.
     early: u64,
 }
@@ -344,9 +346,10 @@ impl Overlap {
         })
     }
 
-    /// Seconds the thread spent in all-reduces since the last call.
-    pub(crate) fn take_thread_secs(&self) -> f64 {
-        std::mem::take(&mut lock(&self.st).thread_secs)
+    /// Seconds the thread spent in all-reduces since the last call, and how many it made.
+    pub(crate) fn take_thread_secs(&self) -> (f64, u64) {
+        let mut st = lock(&self.st);
+        (std::mem::take(&mut st.thread_secs), std::mem::take(&mut st.summed))
     }
 
     /// The averaged gradients in the buckets, by name (after [`step_flags`](Self::step_flags)
@@ -365,13 +368,15 @@ impl Overlap {
         learned_everywhere: bool,
     ) -> Result<u64> {
         let mut st = lock(&self.st);
-        st.valid = false;
+        // `valid` stays: another optimizer of the same backward may step from the buckets
+        // next; the next backward resets it.
         if stale {
             log::info!(
                 "data parallel overlap: a gradient arrived after its bucket was sent; the buckets are made again"
             );
             st.plan = None;
             st.learned = None;
+            st.valid = false;
             return Ok(0);
         }
         let Some(learned) = st.learned.take() else { return Ok(0) };
@@ -453,6 +458,7 @@ impl Overlap {
             };
             st.in_flight -= 1;
             st.thread_secs += done.secs;
+            st.summed += 1;
             let what = st
                 .plan
                 .as_ref()
