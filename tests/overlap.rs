@@ -76,8 +76,11 @@ fn check_overlapped(
         // At O0 every layer computes in f32 on candle's own path: its gradients are ready
         // only when candle's backward returns, so the buckets leave then. With the extra
         // head, rank 1 (which never uses it) waits for it in the first bucket of rank 0's
-        // order until its backward returns.
-        if expect_overlapped > 0 && level != OptLevel::O0 && (r == 0 || !extra) {
+        // order until its backward returns. With synchronised batch norm every bucket waits
+        // for the flush (its sums must keep their place among the buckets).
+        if with_bn {
+            assert_eq!(o.early_buckets, 0, "{what}: a bucket left before batch norm's sums");
+        } else if expect_overlapped > 0 && level != OptLevel::O0 && (r == 0 || !extra) {
             assert!(
                 o.early_buckets > 0,
                 "{what}: no bucket left during the backward on rank {r}"
@@ -158,6 +161,9 @@ fn batch_norm_an_unused_head_and_the_grad_scaler_path() {
     check_overlapped(2, OptLevel::O1, HalfType::Bf16, Api::Guard, true, false, d, n);
     // The `extra` head trains on rank 0's samples only: rank 1 sends zeros for it.
     check_overlapped(2, OptLevel::O2, HalfType::F16, Api::Guard, false, true, d, n);
+    // Both: the ranks' readiness differs and batch norm's backward sums sit among the
+    // buckets, which wait for the flush so every rank's collectives keep one order.
+    check_overlapped(2, OptLevel::O2, HalfType::Bf16, Api::Guard, true, true, d, n);
     // GradScaler's backward is not the guard's: reduced at the step, as without overlap.
     check_overlapped(
         2,
@@ -380,6 +386,53 @@ fn a_backward_under_no_sync_on_one_rank_only_fails_naming_the_bucket() {
     }
     // The rank whose buckets went out names the first one.
     assert!(out[0].0.to_string().contains("bucket 0 of 6"), "{}", out[0].0);
+}
+
+#[test]
+fn buckets_of_different_backwards_meeting_fail_on_their_header() {
+    // Two micro-batches; rank 0 wraps the first in no_sync, rank 1 does not: rank 1's first
+    // buckets meet rank 0's second ones, of the same lengths, so only the header tells.
+    let out = on_ranks(2, Duration::from_secs(3), |c| {
+        let (model, mut opt, amp) = small_run(c.rank() as u64);
+        let rank = c.rank();
+        let ddp = ddp_for(&amp, c);
+        ddp.set_overlap(&amp, true).unwrap();
+        amp.scale_loss(&small_loss(&model, rank), &mut opt)
+            .unwrap()
+            .backward()
+            .unwrap();
+        opt.step().unwrap();
+        opt.zero_grad();
+        let before = amp.store().params()[0].f32_value().unwrap().to_vec2::<f32>().unwrap();
+        let first = {
+            let _g = (rank == 0).then(|| ddp.no_sync());
+            amp.scale_loss(&small_loss(&model, rank), &mut opt).unwrap().backward()
+        };
+        let e = match first {
+            Err(e) => e,
+            Ok(_) => match amp.scale_loss(&small_loss(&model, rank), &mut opt).unwrap().backward() {
+                Err(e) => e,
+                Ok(_) => opt.step().unwrap_err(),
+            },
+        };
+        let after = amp.store().params()[0].f32_value().unwrap().to_vec2::<f32>().unwrap();
+        (e, before == after)
+    });
+    for (r, (e, unchanged)) in out.iter().enumerate() {
+        assert!(
+            matches!(
+                e,
+                AmpError::Distributed {
+                    kind: DistErrorKind::Mismatch,
+                    ..
+                }
+            ),
+            "rank {r}: {e}"
+        );
+        assert!(e.to_string().contains("summed different buckets"), "rank {r}: {e}");
+        assert!(e.to_string().contains("bucket 0 of 6"), "rank {r}: {e}");
+        assert!(unchanged, "rank {r}");
+    }
 }
 
 #[test]

@@ -176,6 +176,7 @@ impl<'a> ScaleLoss<'a> {
     /// Runs the whole pipeline: backward on the scaled loss, reduce, unscale and check,
     /// accumulate.
     pub fn backward(mut self) -> Result<BackwardReport> {
+        let _unwind = Unwind(self.run);
         self.begin_backward()?;
         let grads = match stage_backward(&self.scaled) {
             Ok(g) => g,
@@ -190,6 +191,7 @@ impl<'a> ScaleLoss<'a> {
         mut self,
         driver: impl FnOnce(&Tensor) -> candle_core::Result<GradStore>,
     ) -> Result<BackwardReport> {
+        let _unwind = Unwind(self.run);
         self.begin_backward()?;
         let grads = match driver(&self.scaled) {
             Ok(g) => g,
@@ -262,6 +264,20 @@ impl<'a> ScaleLoss<'a> {
         }
         report.warnings.extend(warning);
         Ok(report)
+    }
+}
+
+/// Tells the step reducer that a backward ended without going in when it unwinds from a
+/// panic (a panicking layer, a user's driver), so that nothing of it is used later.
+struct Unwind<'a>(&'a RunState);
+
+impl Drop for Unwind<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking()
+            && let Some(r) = self.0.step_reducer()
+        {
+            r.end_backward(false);
+        }
     }
 }
 
@@ -370,16 +386,15 @@ fn stages(
             false => None,
         });
     }
-    if let Some(r) = &step_reducer {
-        r.end_backward(true);
-    }
-    // Nothing can fail from here on: the writes. First the sums made in place (checked now
-    // where the verdict did not have to come first), then the commits with the block's
-    // verdict.
+    // The writes. First the sums made in place (checked now where the verdict did not have
+    // to come first), then the commits with the block's verdict, which cannot fail.
     for (opt, u) in optimizers.iter().zip(per_opt.iter_mut()) {
         opt.add_in_place(u)?;
         found_inf |= u.found_inf;
         nonfinite.extend(u.nonfinite.iter().cloned());
+    }
+    if let Some(r) = &step_reducer {
+        r.end_backward(true);
     }
     nonfinite.sort();
     nonfinite.dedup();

@@ -107,8 +107,9 @@ struct Stats {
 ///   the ranks once, however many micro-batches were accumulated (PyTorch's `no_sync`), in
 ///   buckets of [`DataParallelConfig::bucket_bytes`], when the first of
 ///   `AmpOptimizer::step`, `AmpOptimizer::clip_grad_norm` and `GradScaler::unscale` needs
-///   them. candle has no backward hooks, so communication does not overlap the backward;
-///   the buckets of one step are in flight together where the backend allows it (MPI);
+///   them; the buckets of one step are in flight together where the backend allows it
+///   (MPI). With [`set_overlap`](Self::set_overlap) they leave while the backward runs
+///   instead;
 /// * the overflow flags are combined in the same collective: when any rank's gradients
 ///   overflowed, every rank skips the step and backs its scale off, so the ranks' scales and
 ///   weights never diverge;
@@ -332,6 +333,11 @@ impl DataParallel {
     /// [`Amp::host_syncs`].
     pub fn sync_batch_norm(&self, amp: &Amp, on: bool) {
         self.sync_bn.store(on, std::sync::atomic::Ordering::SeqCst);
+        // Its sums in the backward keep their place among the buckets only if the buckets
+        // wait for the flush (readiness may differ between ranks).
+        if let Some(o) = self.overlap() {
+            o.set_hold(on);
+        }
         let group = on.then(|| crate::precision::autocast::SyncGroup {
             comm: Arc::new(super::counted::Counted::new(
                 self.collective_comm(),
@@ -452,7 +458,8 @@ impl StepReducer for DataParallel {
             return Ok(local);
         }
         let mut all = vec![0u8; 8 * self.comm.world_size()];
-        self.comm.all_gather_bytes(&local.to_le_bytes(), &mut all)?;
+        self.collective_comm()
+            .all_gather_bytes(&local.to_le_bytes(), &mut all)?;
         Ok(all
             .chunks_exact(8)
             .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
@@ -469,7 +476,7 @@ impl StepReducer for DataParallel {
         // Rounds of about one bucket in all: what a rank receives at once stays near
         // `bucket_bytes`, not a whole copy of the model's working weights.
         let cap = (self.config.bucket_bytes / self.comm.world_size()).max(1);
-        let (reads, gathers) = zero::gather_working(&*self.comm, &run.store, &shards, params, cap)?;
+        let (reads, gathers) = zero::gather_working(&*self.collective_comm(), &run.store, &shards, params, cap)?;
         if run.device_path() {
             run.count_host_syncs(reads);
         }

@@ -66,7 +66,10 @@ impl DataParallel {
     /// synchronised batch norm's sums, [`barrier`](Self::barrier),
     /// [`broadcast_buffers`](Self::broadcast_buffers) and
     /// [`save_checkpoint`](Self::save_checkpoint) take their turn on the same thread, so
-    /// every rank runs its collectives in the same order; collectives of your own on the
+    /// every rank runs its collectives in the same order; with synchronised batch norm on,
+    /// the buckets leave when candle's backward returns rather than during it (its sums in
+    /// the backward would otherwise fall between buckets at different places on ranks whose
+    /// gradients become ready in different orders). Collectives of your own on the
     /// [`communicator`](Self::communicator) belong between a step and the next backward
     /// (where no bucket is on its way).
     pub fn set_overlap(&self, amp: &Amp, on: bool) -> Result<()> {

@@ -28,7 +28,7 @@ pub(crate) mod thread;
 pub(crate) use results::{Results, StepFlags};
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use candle_core::backprop::GradStore;
@@ -43,8 +43,8 @@ use crate::train::reduce::BackwardStart;
 use plan::{Entry, HEADER, Plan};
 use thread::CommThread;
 
-/// The header's counter runs over this many values (`k` and `k²` summed over the ranks stay
-/// exact in f32 up to 256 ranks).
+/// The header's counter runs over at most this many values; fewer with many ranks, so that
+/// `k` and `k²` summed over the ranks stay exact in f32 (below 2^24).
 const HEADER_PERIOD: u64 = 256;
 
 /// An overlapped run's state on one rank.
@@ -57,6 +57,11 @@ pub(crate) struct Overlap {
     caps: (usize, usize),
     /// Open `no_sync` guards.
     no_sync: AtomicUsize,
+    /// Buckets wait for the flush (synchronised batch norm's sums in the backward must keep
+    /// their place among the buckets on every rank, and readiness can differ between ranks).
+    hold: AtomicBool,
+    /// The header counter's period.
+    period: u64,
     st: Mutex<State>,
 }
 
@@ -68,8 +73,10 @@ struct State {
     /// Per bucket: the header value sent with it.
     sent: Vec<f32>,
     in_flight: usize,
-    /// Buckets handed over since the start (the header's counter).
-    launched: u64,
+    /// Backwards begun since the start, sending or not (the header counts buckets from it).
+    backwards: u64,
+    /// The thread is gone: every later call fails.
+    broken: bool,
     mode: Mode,
     /// The buckets hold the step's averaged gradients (the last backward that changed the
     /// master gradients was an overlapped one that matched the plan).
@@ -147,12 +154,15 @@ impl Overlap {
     /// first of at most 1 MiB).
     pub(crate) fn start(comm: Arc<dyn Communicator>, bucket_bytes: usize) -> Result<Self> {
         let cap = (bucket_bytes / 4).max(1);
+        let world = comm.world_size();
         Ok(Self {
             rank: comm.rank(),
             world: comm.world_size(),
             thread: Arc::new(CommThread::start(comm)?),
             caps: (cap.min((1 << 20) / 4), cap),
             no_sync: AtomicUsize::new(0),
+            hold: AtomicBool::new(false),
+            period: ((16_777_216.0 / world.max(1) as f64).sqrt() as u64).clamp(1, HEADER_PERIOD),
             st: Mutex::new(State::default()),
         })
     }
@@ -160,6 +170,11 @@ impl Overlap {
     /// The thread, for calls that must take their turn with the buckets.
     pub(crate) fn thread(&self) -> &Arc<CommThread> {
         &self.thread
+    }
+
+    /// Whether buckets wait for the flush (on while synchronised batch norm is).
+    pub(crate) fn set_hold(&self, hold: bool) {
+        self.hold.store(hold, Ordering::SeqCst);
     }
 
     pub(crate) fn enter_no_sync(&self) {
@@ -189,7 +204,12 @@ impl Overlap {
         st.stale = false;
         st.error = None;
         st.mode = Mode::Idle;
+        st.valid = false;
+        st.backwards += 1;
         drained?;
+        if st.broken {
+            return Err(self.thread.gone());
+        }
         if !enabled || self.no_sync.load(Ordering::SeqCst) > 0 {
             return Ok(());
         }
@@ -249,12 +269,20 @@ impl Overlap {
     /// over every bucket not sent yet (in plan order).
     pub(crate) fn flush(&self, grads: &GradStore, params: &[(String, Var)]) -> Result<()> {
         let mut st = lock(&self.st);
-        if let Some(e) = st.error.take() {
+        let error = st.error.take();
+        let st = &mut *st;
+        if matches!(st.mode, Mode::Armed(_))
+            && let Mode::Armed(mut a) = std::mem::take(&mut st.mode)
+        {
+            let out = self.flush_armed(st, &mut a, grads, params, error);
+            st.mode = Mode::Armed(a);
+            return out;
+        }
+        if let Some(e) = error {
             return Err(e);
         }
-        let st = &mut *st;
         match &mut st.mode {
-            Mode::Idle => Ok(()),
+            Mode::Idle | Mode::Armed(_) => Ok(()),
             Mode::Learning(l) => {
                 // A parameter that also got a gradient on candle's path (a weight used by a
                 // library layer and by raw tensor maths) is complete only when candle's
@@ -270,48 +298,74 @@ impl Overlap {
                 l.flushed = true;
                 Ok(())
             }
-            Mode::Armed(a) => {
-                let plan = st.plan.as_ref().expect("armed with a plan");
-                for (name, var) in params {
-                    let Some(i) = plan.index(name) else { continue };
-                    let raw = grads.get(var.as_tensor());
-                    if a.ready[i] {
-                        // Written during the backward: from the gradient the pipeline has now?
-                        if raw.map(|t| t.id()) != a.used[i] {
-                            st.stale = true;
-                        }
-                    } else {
-                        write(plan, &mut st.bufs, a, i, raw, self.world as f32)?;
-                    }
+        }
+    }
+
+    /// [`flush`](Self::flush) of an armed backward. Every bucket not sent yet leaves, in plan
+    /// order, even after an error (its values then unused: the backward fails), so that this
+    /// rank's collectives stay paired with the other ranks'.
+    fn flush_armed(
+        &self,
+        st: &mut State,
+        a: &mut Armed,
+        grads: &GradStore,
+        params: &[(String, Var)],
+        error: Option<AmpError>,
+    ) -> Result<()> {
+        let mut out = error.map_or(Ok(()), Err);
+        let plan = st.plan.as_ref().expect("armed with a plan");
+        for (name, var) in params {
+            let Some(i) = plan.index(name) else { continue };
+            let raw = grads.get(var.as_tensor());
+            if a.ready[i] {
+                // Written during the backward: from the gradient the pipeline has now?
+                if raw.map(|t| t.id()) != a.used[i] {
+                    st.stale = true;
                 }
-                // Entries of the plan the backward did not list stay as they are: the plan
-                // covers exactly the backward's parameters (checked at `begin`).
-                let mut out = Ok(());
-                while a.next < plan.buckets.len() {
-                    if let Err(e) = self.launch(
-                        plan,
-                        &mut st.bufs,
-                        &mut st.sent,
-                        &mut st.in_flight,
-                        &mut st.launched,
-                        a.next,
-                    ) {
-                        out = Err(e);
-                        break;
-                    }
-                    a.next += 1;
-                }
-                a.flushed = true;
-                out
+            } else if out.is_ok()
+                && let Err(e) = write(plan, &mut st.bufs, a, i, raw, self.world as f32)
+            {
+                out = Err(e);
             }
         }
+        if let Err(e) = self.send_rest(st, a) {
+            out = out.and(Err(e));
+        }
+        a.flushed = out.is_ok();
+        out
+    }
+
+    /// Hands over every bucket of `a`'s backward not sent yet, in plan order.
+    fn send_rest(&self, st: &mut State, a: &mut Armed) -> Result<()> {
+        let Some(plan) = st.plan.as_ref() else { return Ok(()) };
+        let mut out = Ok(());
+        while a.next < plan.buckets.len() {
+            let r = self.launch(
+                plan,
+                &mut st.bufs,
+                &mut st.sent,
+                &mut st.in_flight,
+                st.backwards,
+                a.next,
+            );
+            a.next += 1;
+            if out.is_ok() {
+                out = r;
+            }
+        }
+        out
     }
 
     /// The backward ended (`committed`: its gradients go into the master gradients).
     pub(crate) fn end(&self, committed: bool) {
         let mut st = lock(&self.st);
         match std::mem::take(&mut st.mode) {
-            Mode::Armed(a) => {
+            Mode::Armed(mut a) => {
+                // A backward that failed before its flush still sends its buckets, so that
+                // the ranks' collectives stay paired.
+                if !a.flushed {
+                    let _ = self.send_rest(&mut st, &mut a);
+                }
                 st.valid = committed && a.flushed && !st.stale && st.error.is_none();
             }
             Mode::Learning(l) => {
@@ -320,13 +374,9 @@ impl Overlap {
                     st.learned = Some(plan::observed_order(&l.params, &l.counts, &l.last));
                 }
             }
-            // A backward that sent nothing changed the master gradients: the buckets no
-            // longer hold the step.
-            Mode::Idle => {
-                if committed {
-                    st.valid = false;
-                }
-            }
+            // A backward that sent nothing changed the master gradients (or failed): the
+            // buckets no longer hold the step.
+            Mode::Idle => st.valid = false,
         }
     }
 
@@ -429,16 +479,18 @@ impl Overlap {
         bufs: &mut [Option<Vec<f32>>],
         sent: &mut [f32],
         in_flight: &mut usize,
-        launched: &mut u64,
+        backwards: u64,
         b: usize,
     ) -> Result<()> {
         let mut buf = bufs[b].take().expect("a bucket is home until it is sent");
         let len = plan.buckets[b].len;
-        let k = (*launched % HEADER_PERIOD + 1) as f32;
+        // Distinct for each bucket of each backward (up to the period): ranks at different
+        // backwards, or buckets, disagree on it.
+        let seq = backwards * plan.buckets.len() as u64 + b as u64;
+        let k = (seq % self.period + 1) as f32;
         buf[len] = k;
         buf[len + 1] = k * k;
         sent[b] = k;
-        *launched += 1;
         *in_flight += 1;
         self.thread.send_bucket(b, buf).map_err(|e| about(e, &plan.describe(b)))
     }
@@ -452,7 +504,10 @@ impl Overlap {
             let done = match self.thread.next_done() {
                 Ok(d) => d,
                 Err(e) => {
+                    // The thread is gone with the buckets it held: nothing works any more.
                     st.in_flight = 0;
+                    st.broken = true;
+                    st.valid = false;
                     return Err(e);
                 }
             };
@@ -558,13 +613,16 @@ impl ReadyHook for Overlap {
                     st.error.get_or_insert(e);
                     return;
                 }
+                if self.hold.load(Ordering::SeqCst) || st.error.is_some() {
+                    return;
+                }
                 while a.next < plan.buckets.len() && a.pending[a.next] == 0 {
                     if let Err(e) = self.launch(
                         plan,
                         &mut st.bufs,
                         &mut st.sent,
                         &mut st.in_flight,
-                        &mut st.launched,
+                        st.backwards,
                         a.next,
                     ) {
                         st.error.get_or_insert(e);

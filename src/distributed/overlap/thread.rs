@@ -100,7 +100,7 @@ impl CommThread {
         })
     }
 
-    fn gone(&self) -> AmpError {
+    pub(crate) fn gone(&self) -> AmpError {
         AmpError::Distributed {
             rank: self.comm.rank(),
             kind: DistErrorKind::Backend,
