@@ -120,9 +120,13 @@ fn live_at(
         opt.step().unwrap();
         opt.zero_grad();
         if step == a || step == b {
-            ddp.barrier().unwrap();
+            // The communicator's own barrier (between a step and the next backward, where
+            // no bucket is on its way): an overlapped run's `ddp.barrier()` goes through its
+            // thread, whose channels another rank may be using while this one counts.
+            let comm = ddp.communicator();
+            comm.barrier().unwrap();
             seen.push(counting::live());
-            ddp.barrier().unwrap();
+            comm.barrier().unwrap();
         }
     }
     if overlap {

@@ -16,8 +16,11 @@ use candle_core::Tensor;
 use crate::comm::Communicator;
 use crate::error::{AmpError, DistErrorKind, Result};
 
+/// A call's result, on its way back.
+type Reply = Box<dyn std::any::Any + Send>;
+
 /// A call the thread runs on the communicator.
-type Call = Box<dyn FnOnce(&dyn Communicator) + Send>;
+type Call = Box<dyn FnOnce(&dyn Communicator) -> Reply + Send>;
 
 enum Job {
     /// Sum bucket `id` in place and send it back.
@@ -44,6 +47,10 @@ pub(crate) struct CommThread {
     /// `None` once dropping.
     jobs: Mutex<Option<Sender<Job>>>,
     done: Mutex<Receiver<Done>>,
+    /// The calls' results, in one channel made once: a call allocates nothing that the
+    /// thread frees after the caller has its result (what a memory count in between would
+    /// see as growth).
+    replies: Mutex<Receiver<Reply>>,
     handle: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
@@ -69,6 +76,7 @@ impl CommThread {
     pub(crate) fn start(comm: Arc<dyn Communicator>) -> Result<Self> {
         let (jobs, rx) = channel::<Job>();
         let (tx, done) = channel::<Done>();
+        let (reply_tx, replies) = channel::<Reply>();
         let c = comm.clone();
         let handle = std::thread::Builder::new()
             .name(format!("candle-amp-comm-{}", comm.rank()))
@@ -83,7 +91,13 @@ impl CommThread {
                                 return;
                             }
                         }
-                        Job::Call(f) => f(&*c),
+                        Job::Call(f) => {
+                            // The call (and its box) is gone before its result leaves.
+                            let r = f(&*c);
+                            if reply_tx.send(r).is_err() {
+                                return;
+                            }
+                        }
                     }
                 }
             })
@@ -96,6 +110,7 @@ impl CommThread {
             comm,
             jobs: Mutex::new(Some(jobs)),
             done: Mutex::new(done),
+            replies: Mutex::new(replies),
             handle: Mutex::new(Some(handle)),
         })
     }
@@ -130,12 +145,15 @@ impl CommThread {
         &self,
         f: impl FnOnce(&dyn Communicator) -> Result<R> + Send + 'static,
     ) -> Result<R> {
-        let (tx, rx) = channel();
-        let job: Call = Box::new(move |c| {
-            let _ = tx.send(f(c));
-        });
+        // Held from the hand-over to the result: one call at a time gets its own result.
+        let replies = lock(&self.replies);
+        let job: Call = Box::new(move |c| Box::new(f(c)) as Reply);
         self.send(Job::Call(job))?;
-        rx.recv().map_err(|_| self.gone())?
+        let reply = replies.recv().map_err(|_| self.gone())?;
+        match reply.downcast::<Result<R>>() {
+            Ok(r) => *r,
+            Err(_) => Err(self.gone()),
+        }
     }
 }
 
