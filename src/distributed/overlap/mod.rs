@@ -21,6 +21,7 @@
 //! header that tells ranks that sent different buckets at once apart (a backward under
 //! `no_sync` on some ranks only): the step fails with a `Mismatch` naming the bucket.
 
+mod hook;
 pub(crate) mod plan;
 mod results;
 pub(crate) mod thread;
@@ -37,7 +38,6 @@ use candle_core::{Tensor, TensorId, Var};
 use crate::comm::Communicator;
 use crate::error::{AmpError, DistErrorKind, Result};
 use crate::kernels::unscale::{read_f32_into, unscale_share};
-use crate::precision::stash::ReadyHook;
 use crate::train::reduce::BackwardStart;
 
 use plan::{Entry, HEADER, Plan};
@@ -328,32 +328,28 @@ impl Overlap {
                 out = Err(e);
             }
         }
-        if let Err(e) = self.send_rest(st, a) {
+        if let (Err(e), _) = self.send(st, a, false) {
             out = out.and(Err(e));
         }
         a.flushed = out.is_ok();
         out
     }
 
-    /// Hands over every bucket of `a`'s backward not sent yet, in plan order.
-    fn send_rest(&self, st: &mut State, a: &mut Armed) -> Result<()> {
-        let Some(plan) = st.plan.as_ref() else { return Ok(()) };
-        let mut out = Ok(());
-        while a.next < plan.buckets.len() {
-            let r = self.launch(
-                plan,
-                &mut st.bufs,
-                &mut st.sent,
-                &mut st.in_flight,
-                st.backwards,
-                a.next,
-            );
+    /// Hands over the buckets of `a`'s backward not sent yet, in plan order: every one, or
+    /// with `ready_only` those up to the first not yet written. Returns the first failure
+    /// (the others are still tried: the ranks' collectives stay paired) and how many went.
+    fn send(&self, st: &mut State, a: &mut Armed, ready_only: bool) -> (Result<()>, u64) {
+        let n = st.plan.as_ref().map_or(0, |p| p.buckets.len());
+        let (mut out, mut sent) = (Ok(()), 0);
+        while a.next < n && (!ready_only || a.pending[a.next] == 0) {
+            let r = self.launch(st, a.next);
             a.next += 1;
-            if out.is_ok() {
-                out = r;
+            match r {
+                Ok(()) => sent += 1,
+                Err(e) => out = out.and(Err(e)),
             }
         }
-        out
+        (out, sent)
     }
 
     /// The backward ended (`committed`: its gradients go into the master gradients).
@@ -364,7 +360,7 @@ impl Overlap {
                 // A backward that failed before its flush still sends its buckets, so that
                 // the ranks' collectives stay paired.
                 if !a.flushed {
-                    let _ = self.send_rest(&mut st, &mut a);
+                    let _ = self.send(&mut st, &mut a, false);
                 }
                 st.valid = committed && a.flushed && !st.stale && st.error.is_none();
             }
@@ -472,26 +468,18 @@ impl Overlap {
     }
 
     /// Hands bucket `b` to the thread, with its header.
-    #[allow(clippy::too_many_arguments)]
-    fn launch(
-        &self,
-        plan: &Plan,
-        bufs: &mut [Option<Vec<f32>>],
-        sent: &mut [f32],
-        in_flight: &mut usize,
-        backwards: u64,
-        b: usize,
-    ) -> Result<()> {
-        let mut buf = bufs[b].take().expect("a bucket is home until it is sent");
+    fn launch(&self, st: &mut State, b: usize) -> Result<()> {
+        let plan = st.plan.as_ref().expect("buckets are sent under a plan");
+        let mut buf = st.bufs[b].take().expect("a bucket is home until it is sent");
         let len = plan.buckets[b].len;
         // Distinct for each bucket of each backward (up to the period): ranks at different
         // backwards, or buckets, disagree on it.
-        let seq = backwards * plan.buckets.len() as u64 + b as u64;
+        let seq = st.backwards * plan.buckets.len() as u64 + b as u64;
         let k = (seq % self.period + 1) as f32;
         buf[len] = k;
         buf[len + 1] = k * k;
-        sent[b] = k;
-        *in_flight += 1;
+        st.sent[b] = k;
+        st.in_flight += 1;
         self.thread.send_bucket(b, buf).map_err(|e| about(e, &plan.describe(b)))
     }
 
@@ -577,61 +565,4 @@ fn write(
     a.used[i] = raw.map(|t| t.id());
     a.pending[b] -= 1;
     Ok(())
-}
-
-impl ReadyHook for Overlap {
-    fn grad_added(&self, id: TensorId, sum: &Tensor) {
-        let mut st = lock(&self.st);
-        let st = &mut *st;
-        match &mut st.mode {
-            Mode::Idle => {}
-            Mode::Learning(l) => {
-                if let Some(&i) = l.index.get(&id) {
-                    l.counts[i] += 1;
-                    l.events += 1;
-                    l.last[i] = l.events;
-                    l.sums[i] = Some(sum.id());
-                }
-            }
-            Mode::Armed(a) => {
-                let Some(&i) = a.index.get(&id) else { return };
-                let plan = st.plan.as_ref().expect("armed with a plan");
-                a.counts[i] += 1;
-                let expected = plan.entries[i].count;
-                if expected == 0 {
-                    // Planned as candle's: written at the flush from the whole gradient.
-                    return;
-                }
-                if a.ready[i] {
-                    st.stale = true;
-                    return;
-                }
-                if a.counts[i] < expected {
-                    return;
-                }
-                if let Err(e) = write(plan, &mut st.bufs, a, i, Some(sum), self.world as f32) {
-                    st.error.get_or_insert(e);
-                    return;
-                }
-                if self.hold.load(Ordering::SeqCst) || st.error.is_some() {
-                    return;
-                }
-                while a.next < plan.buckets.len() && a.pending[a.next] == 0 {
-                    if let Err(e) = self.launch(
-                        plan,
-                        &mut st.bufs,
-                        &mut st.sent,
-                        &mut st.in_flight,
-                        st.backwards,
-                        a.next,
-                    ) {
-                        st.error.get_or_insert(e);
-                        return;
-                    }
-                    a.next += 1;
-                    st.early += 1;
-                }
-            }
-        }
-    }
 }
