@@ -909,8 +909,8 @@ fn norm_rejects_a_weight_of_the_wrong_length() {
     assert!(e.contains("weight") && e.contains("8 values"), "{e}");
 }
 
-/// The results of every kernel whose loops are compiled once per tier (GELU, ReLU, layer and
-/// RMS norm, the bias gradient's column sums, the fused SGD update), named, as bit patterns.
+/// The results of every kernel whose loops are compiled once per tier (GELU, ReLU, the
+/// softmax's backward, layer and RMS norm, the bias gradient's column sums, the fused SGD update), named, as bit patterns.
 fn per_tier_results() -> Vec<(String, Vec<u32>)> {
     use candle_amp::optim::{GroupHyper, Optimizer, ParamUpdate, Sgd, SgdConfig};
     let mut out = Vec::new();
@@ -938,6 +938,18 @@ fn per_tier_results() -> Vec<(String, Vec<u32>)> {
             let y = kernels::relu(&x).unwrap();
             out.push((format!("{dt:?} {n} relu"), bits_f32(&y)));
             out.push((format!("{dt:?} {n} relu'"), bits_f32(grads(&y).get(&x).unwrap())));
+        }
+        // The scaled softmax's backward (row sums of a fixed order), causal and not, rows
+        // off the lane count, into every output type.
+        for (shape, causal) in [(vec![3, 37, 37], true), (vec![70, 100], false)] {
+            let x = Var::from_tensor(&(rand_t(&shape, 140, DType::F32) * 4.0).unwrap().to_dtype(dt).unwrap()).unwrap();
+            let w = rand_t(&shape, 141, DType::F32);
+            for out_dt in [DType::F32, DType::F16, DType::BF16] {
+                let p = kernels::scaled_softmax(&x, 0.3, causal, out_dt).unwrap();
+                let loss = (p.to_dtype(DType::F32).unwrap() * &w).unwrap().sum_all().unwrap();
+                let g = loss.backward().unwrap();
+                out.push((format!("{dt:?} {shape:?} softmax' -> {out_dt:?}"), bits_f32(g.get(&x).unwrap())));
+            }
         }
         // Norms: rows narrower than, at and off the lane count, and enough to split.
         for (rows, n) in [(5, 7), (700, 64), (9, 300)] {

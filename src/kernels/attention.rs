@@ -111,10 +111,7 @@ impl Attention {
         let g_v = bmm(&p, &g_a, true, false)?;
         drop(p);
         // p = softmax(scores * scale), its gradient in the scores' type
-        let g_s = super::cast(
-            &super::softmax::grad_f32(&self.probs, &g_p, self.scale)?,
-            self.q.dtype(),
-        )?;
+        let g_s = super::softmax_grad::grad(&self.probs, &g_p, self.scale, self.q.dtype())?;
         // scores = q . kt
         let g_q = bmm(&g_s, &self.kt, false, true)?;
         let g_kt = bmm(&self.q, &g_s, true, false)?;

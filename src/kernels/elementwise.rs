@@ -147,6 +147,19 @@ pub(crate) fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     a2.apply_op2(&b2, Add)
 }
 
+/// `a + b` (one shape) summed in f32 and rounded once to `out`, outside the graph: one pass
+/// over two half tensors of `out`'s type on the CPU (the add's forward: the same bits), else
+/// both cast to f32, candle's add and a cast.
+pub(crate) fn sum_rounded(a: &Tensor, b: &Tensor, out: DType) -> Result<Tensor> {
+    if half_cpu(a) && a.dtype() == b.dtype() && a.dtype() == out && a.shape() == b.shape() {
+        return super::dense(a)?
+            .detach()
+            .apply_op2_no_bwd(&super::dense(b)?.detach(), &Add);
+    }
+    let sum = (super::cast(a, DType::F32)? + super::cast(b, DType::F32)?)?;
+    super::cast(&sum, out)
+}
+
 /// `t` at `shape`: itself when it has it, else a node copying the broadcast (whose
 /// backward sums the gradient back to `t`'s shape in f32).
 fn broadcast_arg(t: &Tensor, shape: &Shape) -> Result<Tensor> {

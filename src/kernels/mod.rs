@@ -47,6 +47,7 @@ mod scratch;
 mod simd;
 pub(crate) mod slices;
 mod softmax;
+mod softmax_grad;
 mod storage;
 pub(crate) mod unscale;
 pub(crate) mod wgrad;

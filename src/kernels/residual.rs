@@ -111,8 +111,7 @@ impl Residual {
         }
         let Some(gxn) = gxn else { return Ok(None) };
         // The add's and the norm's gradients, summed in f32 and rounded once.
-        let sum = (g.to_dtype(DType::F32)? + gxn.to_dtype(DType::F32)?)?;
-        Ok(Some(super::cast(&sum, x_dtype)?))
+        Ok(Some(super::elementwise::sum_rounded(&g, &gxn, x_dtype)?))
     }
 
     fn fwd(&self) -> Result<(CpuStorage, Shape)> {

@@ -136,8 +136,8 @@ impl CustomOp1 for ScaledSoftmax {
     /// `dx = scale * y * (dy - sum(dy * y))` in f32, from the output alone (masked entries
     /// have `y = 0`, so their gradient is 0), returned in the input's type.
     fn bwd(&self, arg: &Tensor, res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
-        let dx = grad_f32(res, grad_res, self.scale)?;
-        Ok(Some(super::graph_grad::for_candle(dx.to_dtype(arg.dtype())?)?))
+        let dx = super::softmax_grad::grad(res, grad_res, self.scale, arg.dtype())?;
+        Ok(Some(super::graph_grad::for_candle(dx)?))
     }
 }
 
@@ -149,15 +149,6 @@ pub(super) fn forward_no_bwd(x: &Tensor, scale: f64, causal: bool, out: DType) -
         causal,
         out,
     })
-}
-
-/// The softmax's input gradient in f32 from its output `res` and the output's gradient
-/// `grad_res`: `scale * y * (dy - sum(dy * y))`, the op's own backward.
-pub(super) fn grad_f32(res: &Tensor, grad_res: &Tensor, scale: f32) -> Result<Tensor> {
-    let y = res.to_dtype(DType::F32)?;
-    let dy = grad_res.to_dtype(DType::F32)?;
-    let dot = (&dy * &y)?.sum_keepdim(D::Minus1)?;
-    (y * dy.broadcast_sub(&dot)?)?.affine(scale as f64, 0.0)
 }
 
 /// `softmax(x * scale)` over the last dimension, keys after the query masked when `causal`
