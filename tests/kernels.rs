@@ -948,7 +948,10 @@ fn per_tier_results() -> Vec<(String, Vec<u32>)> {
                 let p = kernels::scaled_softmax(&x, 0.3, causal, out_dt).unwrap();
                 let loss = (p.to_dtype(DType::F32).unwrap() * &w).unwrap().sum_all().unwrap();
                 let g = loss.backward().unwrap();
-                out.push((format!("{dt:?} {shape:?} softmax' -> {out_dt:?}"), bits_f32(g.get(&x).unwrap())));
+                out.push((
+                    format!("{dt:?} {shape:?} softmax' -> {out_dt:?}"),
+                    bits_f32(g.get(&x).unwrap()),
+                ));
             }
         }
         // Norms: rows narrower than, at and off the lane count, and enough to split.

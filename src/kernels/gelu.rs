@@ -7,13 +7,15 @@
 //! Chebyshev-fitted form (Numerical Recipes' `erfcc`, fractional error below 1.2e-7) with a
 //! branch-free `exp`, all in f32, so the loops vectorise, compiled per instruction set (see
 //! `dispatch`; the tiers agree bit for bit). Absolute error about 3e-7 against the exact
-//! GELU, checked in the tests.
+//! GELU, checked in the tests. f16 and bf16 inputs look both up in tables of these same
+//! results (`gelu_table`).
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::dispatch::{Kernel, dispatch};
+use super::gelu_table;
 use super::simd::Elem;
 use super::slices::{Vx, convert_serial as convert};
 
@@ -101,8 +103,8 @@ impl<T: Elem + Vx> Kernel for Forward<'_, T> {
     }
 }
 
-/// `gelu` over `src` into a new vector.
-fn map<T: Elem + Vx>(src: &[T]) -> Vec<T> {
+/// `gelu` over `src` into a new vector, computed.
+pub(super) fn computed_map<T: Elem + Vx>(src: &[T]) -> Vec<T> {
     let mut out = vec![T::from_f32(0.0); src.len()];
     if parallel(src.len()) {
         src.par_chunks(CHUNK)
@@ -129,9 +131,9 @@ impl CustomOp1 for Gelu {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let (a, b) = contiguous(l)?;
         let out = match s {
-            CpuStorage::F32(v) => CpuStorage::F32(map(&v[a..b])),
-            CpuStorage::F16(v) => CpuStorage::F16(map(&v[a..b])),
-            CpuStorage::BF16(v) => CpuStorage::BF16(map(&v[a..b])),
+            CpuStorage::F32(v) => CpuStorage::F32(computed_map(&v[a..b])),
+            CpuStorage::F16(v) => CpuStorage::F16(gelu_table::map(&v[a..b])),
+            CpuStorage::BF16(v) => CpuStorage::BF16(gelu_table::map(&v[a..b])),
             other => candle_core::bail!("amp-gelu: {:?}", other.dtype()),
         };
         Ok((out, l.shape().clone()))
@@ -172,8 +174,8 @@ impl<T: Elem + Vx> Kernel for Backward<'_, T> {
     }
 }
 
-/// Panics if the lengths differ (checked by the op before).
-fn grad_of<T: Elem + Vx>(x: &[T], g: &[T]) -> Vec<T> {
+/// `g * gelu'(x)`, computed. Panics if the lengths differ (checked by the op before).
+pub(super) fn computed_grad_of<T: Elem + Vx>(x: &[T], g: &[T]) -> Vec<T> {
     assert_eq!(x.len(), g.len(), "gelu grad: lengths differ");
     let mut out = vec![T::from_f32(0.0); x.len()];
     if parallel(x.len()) {
@@ -185,6 +187,24 @@ fn grad_of<T: Elem + Vx>(x: &[T], g: &[T]) -> Vec<T> {
         dispatch(Backward { x, g, d: &mut out });
     }
     out
+}
+
+/// Each value `x` replaced by `gelu'(x)`: the backward's factor (for the tables).
+struct Factors<'a>(&'a mut [f32]);
+
+impl Kernel for Factors<'_> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        for v in self.0.iter_mut() {
+            *v = gelu_grad(*v);
+        }
+    }
+}
+
+/// `gelu'` of every value in place, as the computed backward's factor.
+pub(super) fn grad_factors(x: &mut [f32]) {
+    dispatch(Factors(x))
 }
 
 impl CustomOp2 for GeluGrad {
@@ -200,9 +220,9 @@ impl CustomOp2 for GeluGrad {
             candle_core::bail!("amp-gelu-grad: lengths differ ({} inputs, {} gradients)", b - a, d - c)
         }
         let out = match (s1, s2) {
-            (CpuStorage::F32(x), CpuStorage::F32(g)) => CpuStorage::F32(grad_of(&x[a..b], &g[c..d])),
-            (CpuStorage::F16(x), CpuStorage::F16(g)) => CpuStorage::F16(grad_of(&x[a..b], &g[c..d])),
-            (CpuStorage::BF16(x), CpuStorage::BF16(g)) => CpuStorage::BF16(grad_of(&x[a..b], &g[c..d])),
+            (CpuStorage::F32(x), CpuStorage::F32(g)) => CpuStorage::F32(computed_grad_of(&x[a..b], &g[c..d])),
+            (CpuStorage::F16(x), CpuStorage::F16(g)) => CpuStorage::F16(gelu_table::grad_of(&x[a..b], &g[c..d])),
+            (CpuStorage::BF16(x), CpuStorage::BF16(g)) => CpuStorage::BF16(gelu_table::grad_of(&x[a..b], &g[c..d])),
             _ => candle_core::bail!("amp-gelu-grad: {:?} and {:?}", s1.dtype(), s2.dtype()),
         };
         Ok((out, l1.shape().clone()))

