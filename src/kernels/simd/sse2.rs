@@ -1,0 +1,101 @@
+use std::arch::x86_64::*;
+
+use half::f16;
+
+/// `if m { t } else { f }` per lane (`m` all ones or all zeros).
+#[inline(always)]
+unsafe fn select(m: __m128i, t: __m128i, f: __m128i) -> __m128i {
+    // SAFETY (all intrinsics here): SSE2 is part of x86-64.
+    unsafe { _mm_or_si128(_mm_and_si128(m, t), _mm_andnot_si128(m, f)) }
+}
+
+/// Writes every value of `s` (a multiple of 8 long) to `d`, exactly as
+/// [`super::f16_to_f32_bits`] for every finite value; false if any is infinity or NaN,
+/// whose results are then wrong (the caller converts the block again per value).
+pub(super) fn widen_normal(s: &[f16], d: &mut [f32]) -> bool {
+    assert!(s.len() == d.len() && s.len().is_multiple_of(8));
+    // SAFETY: SSE2 is part of x86-64; every load and store is within the slices (8
+    // values of `s`, 2 x 4 of `d` from index `i`, `i + 8 <= len`), unaligned allowed.
+    unsafe {
+        let zero = _mm_setzero_si128();
+        let (mag_m, exp_m) = (_mm_set1_epi16(0x7FFF), _mm_set1_epi16(0x7C00));
+        let sign_m = _mm_set1_epi16(0x8000u16 as i16);
+        let rebias = _mm_set1_epi32(112 << 23);
+        let one_exp = _mm_set1_epi32(1 << 23);
+        let magic = _mm_castsi128_ps(_mm_set1_epi32(113 << 23));
+        let mut odd = zero;
+        for i in (0..s.len()).step_by(8) {
+            // The masks on eight 16-bit lanes, then each half widened by interleaving
+            // with zeros (or with itself for a lane mask): the magnitude into the low half
+            // of a 32-bit lane, the sign into the high half (its place in an f32).
+            let h = _mm_loadu_si128(s.as_ptr().add(i).cast());
+            let mag = _mm_and_si128(h, mag_m);
+            let exp = _mm_and_si128(h, exp_m);
+            let sign = _mm_and_si128(h, sign_m);
+            odd = _mm_or_si128(odd, _mm_cmpeq_epi16(exp, exp_m));
+            let sub = _mm_cmpeq_epi16(exp, zero);
+            let halves = [
+                (
+                    _mm_unpacklo_epi16(mag, zero),
+                    _mm_unpacklo_epi16(sub, sub),
+                    _mm_unpacklo_epi16(zero, sign),
+                ),
+                (
+                    _mm_unpackhi_epi16(mag, zero),
+                    _mm_unpackhi_epi16(sub, sub),
+                    _mm_unpackhi_epi16(zero, sign),
+                ),
+            ];
+            for (j, (m, is_sub, sg)) in halves.into_iter().enumerate() {
+                // Normal: the bits in place, the exponent rebiased. Zero and subnormal:
+                // 2^-14 (1 + m/1024) - 2^-14, exact (no arithmetic on an f32 subnormal).
+                let normal = _mm_add_epi32(_mm_slli_epi32(m, 13), rebias);
+                let sub = _mm_sub_ps(_mm_castsi128_ps(_mm_add_epi32(normal, one_exp)), magic);
+                let o = select(is_sub, _mm_castps_si128(sub), normal);
+                _mm_storeu_si128(d.as_mut_ptr().add(i + 4 * j).cast(), _mm_or_si128(o, sg));
+            }
+        }
+        _mm_movemask_epi8(odd) == 0
+    }
+}
+
+/// Writes every value of `s` (a multiple of 8 long) to `d`, exactly as
+/// [`super::f16_bits`] for every magnitude below 2^16; false if any is 2^16 or more
+/// (infinity, NaN included), whose results are then wrong (the caller converts the block
+/// again per value).
+pub(super) fn narrow_normal(s: &[f32], d: &mut [f16]) -> bool {
+    assert!(s.len() == d.len() && s.len().is_multiple_of(8));
+    // SAFETY: SSE2 is part of x86-64; every load and store is within the slices (2 x 4
+    // values of `s`, 8 of `d` from index `i`, `i + 8 <= len`), unaligned allowed.
+    unsafe {
+        let zero = _mm_setzero_si128();
+        let abs = _mm_set1_epi32(0x7FFF_FFFF);
+        let one = _mm_set1_epi32(1);
+        let round = _mm_set1_epi32(0xC800_0FFFu32 as i32);
+        let (lo, hi) = (_mm_set1_epi32(0x3880_0000), _mm_set1_epi32(0x477F_FFFF));
+        let half = _mm_set1_ps(0.5);
+        let half_bits = _mm_set1_epi32(0x3F00_0000);
+        let sign_m = _mm_set1_epi32(0xFFFF_8000u32 as i32);
+        let mut odd = zero;
+        for i in (0..s.len()).step_by(8) {
+            let mut out = [zero; 2];
+            for (j, out) in out.iter_mut().enumerate() {
+                let x = _mm_loadu_si128(s.as_ptr().add(i + 4 * j).cast());
+                // Non-negative as i32, so the signed compares order magnitudes.
+                let a = _mm_and_si128(x, abs);
+                odd = _mm_or_si128(odd, _mm_cmpgt_epi32(a, hi));
+                // Normal result: rebias, round half to even on the 13 dropped bits.
+                let lsb = _mm_and_si128(_mm_srli_epi32(a, 13), one);
+                let norm = _mm_srli_epi32(_mm_add_epi32(_mm_add_epi32(a, round), lsb), 13);
+                // Below 2^-14 (zero included): adding 0.5 rounds at f16's subnormal step.
+                let sub = _mm_sub_epi32(_mm_castps_si128(_mm_add_ps(_mm_castsi128_ps(a), half)), half_bits);
+                let o = select(_mm_cmpgt_epi32(lo, a), sub, norm);
+                // The sign as 0 or 0xFFFF8000: the lane is then an i16 value, which the
+                // saturating pack keeps exactly.
+                *out = _mm_or_si128(o, _mm_and_si128(_mm_srai_epi32(x, 16), sign_m));
+            }
+            _mm_storeu_si128(d.as_mut_ptr().add(i).cast(), _mm_packs_epi32(out[0], out[1]));
+        }
+        _mm_movemask_epi8(odd) == 0
+    }
+}
