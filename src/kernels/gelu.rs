@@ -15,7 +15,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape
 use rayon::prelude::*;
 
 use super::dispatch::{Kernel, dispatch};
-use super::gelu_table;
+use super::gelu_table::{self, Tabled, Tables};
 use super::simd::Elem;
 use super::slices::{Vx, convert_serial as convert};
 
@@ -104,7 +104,7 @@ impl<T: Elem + Vx> Kernel for Forward<'_, T> {
 }
 
 /// `gelu` over `src` into a new vector, computed.
-pub(super) fn computed_map<T: Elem + Vx>(src: &[T]) -> Vec<T> {
+fn computed_map<T: Elem + Vx>(src: &[T]) -> Vec<T> {
     let mut out = vec![T::from_f32(0.0); src.len()];
     if parallel(src.len()) {
         src.par_chunks(CHUNK)
@@ -121,6 +121,18 @@ fn contiguous(l: &Layout) -> Result<(usize, usize)> {
         .ok_or_else(|| candle_core::Error::Msg("amp-gelu: tensors must be contiguous".into()))
 }
 
+/// `T`'s tables, filled on first use from the computed kernels: `gelu` through the forward
+/// map itself, `gelu'` as the backward's factor.
+fn tables<T: Tabled>() -> &'static Tables<T> {
+    gelu_table::tables(|| {
+        let all = gelu_table::patterns::<T>();
+        let mut grad = vec![0f32; all.len()];
+        convert(&all, &mut grad);
+        grad_factors(&mut grad);
+        Tables::new(computed_map(&all), grad)
+    })
+}
+
 pub(super) struct Gelu;
 
 impl CustomOp1 for Gelu {
@@ -132,8 +144,8 @@ impl CustomOp1 for Gelu {
         let (a, b) = contiguous(l)?;
         let out = match s {
             CpuStorage::F32(v) => CpuStorage::F32(computed_map(&v[a..b])),
-            CpuStorage::F16(v) => CpuStorage::F16(gelu_table::map(&v[a..b])),
-            CpuStorage::BF16(v) => CpuStorage::BF16(gelu_table::map(&v[a..b])),
+            CpuStorage::F16(v) => CpuStorage::F16(gelu_table::map(&v[a..b], tables())),
+            CpuStorage::BF16(v) => CpuStorage::BF16(gelu_table::map(&v[a..b], tables())),
             other => candle_core::bail!("amp-gelu: {:?}", other.dtype()),
         };
         Ok((out, l.shape().clone()))
@@ -175,7 +187,7 @@ impl<T: Elem + Vx> Kernel for Backward<'_, T> {
 }
 
 /// `g * gelu'(x)`, computed. Panics if the lengths differ (checked by the op before).
-pub(super) fn computed_grad_of<T: Elem + Vx>(x: &[T], g: &[T]) -> Vec<T> {
+fn computed_grad_of<T: Elem + Vx>(x: &[T], g: &[T]) -> Vec<T> {
     assert_eq!(x.len(), g.len(), "gelu grad: lengths differ");
     let mut out = vec![T::from_f32(0.0); x.len()];
     if parallel(x.len()) {
@@ -203,7 +215,7 @@ impl Kernel for Factors<'_> {
 }
 
 /// `gelu'` of every value in place, as the computed backward's factor.
-pub(super) fn grad_factors(x: &mut [f32]) {
+fn grad_factors(x: &mut [f32]) {
     dispatch(Factors(x))
 }
 
@@ -221,8 +233,12 @@ impl CustomOp2 for GeluGrad {
         }
         let out = match (s1, s2) {
             (CpuStorage::F32(x), CpuStorage::F32(g)) => CpuStorage::F32(computed_grad_of(&x[a..b], &g[c..d])),
-            (CpuStorage::F16(x), CpuStorage::F16(g)) => CpuStorage::F16(gelu_table::grad_of(&x[a..b], &g[c..d])),
-            (CpuStorage::BF16(x), CpuStorage::BF16(g)) => CpuStorage::BF16(gelu_table::grad_of(&x[a..b], &g[c..d])),
+            (CpuStorage::F16(x), CpuStorage::F16(g)) => {
+                CpuStorage::F16(gelu_table::grad_of(&x[a..b], &g[c..d], tables()))
+            }
+            (CpuStorage::BF16(x), CpuStorage::BF16(g)) => {
+                CpuStorage::BF16(gelu_table::grad_of(&x[a..b], &g[c..d], tables()))
+            }
             _ => candle_core::bail!("amp-gelu-grad: {:?} and {:?}", s1.dtype(), s2.dtype()),
         };
         Ok((out, l1.shape().clone()))
@@ -258,6 +274,36 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    /// Every bit pattern, the forward and the backward (with gradients of several
+    /// magnitudes and signs, an infinity and a NaN among them): the lookups return the
+    /// computed results bit for bit.
+    fn every_pattern<T: Tabled>() {
+        let all = gelu_table::patterns::<T>();
+        let want = computed_map(&all);
+        let got = gelu_table::map(&all, tables());
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(a.bits(), b.bits(), "gelu of pattern {i:#06x}");
+        }
+        for gv in [1.0f32, -3.5, 1e-3, 6e4, f32::INFINITY, f32::NAN] {
+            let g = vec![T::from_f32(gv); all.len()];
+            let want = computed_grad_of(&all, &g);
+            let got = gelu_table::grad_of(&all, &g, tables());
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(a.bits(), b.bits(), "gelu' of pattern {i:#06x} times {gv}");
+            }
+        }
+    }
+
+    #[test]
+    fn f16_lookups_equal_the_computed_values() {
+        every_pattern::<half::f16>();
+    }
+
+    #[test]
+    fn bf16_lookups_equal_the_computed_values() {
+        every_pattern::<half::bf16>();
+    }
 
     #[test]
     fn the_gradient_op_rejects_operands_of_different_lengths() {

@@ -1,4 +1,5 @@
-//! GELU and its derivative for f16 and bf16 inputs by table lookup.
+//! GELU and its derivative for f16 and bf16 inputs by table lookup: the tables and the
+//! lookups (`gelu` fills them).
 //!
 //! A half value has 65536 bit patterns, so `gelu` of every one (rounded to the type, 128 KiB)
 //! and `gelu'` of every one (in f32, 256 KiB) fit in two tables, each filled once per process
@@ -31,31 +32,37 @@ pub(super) struct Tables<T> {
     grad: Box<[f32; PATTERNS]>,
 }
 
+impl<T> Tables<T> {
+    /// The tables from `gelu` and `gelu'` of every pattern in bit order ([`patterns`]).
+    pub(super) fn new(gelu: Vec<T>, grad: Vec<f32>) -> Self {
+        let one = |n: usize| assert_eq!(n, PATTERNS, "gelu tables: one value per pattern");
+        one(gelu.len());
+        one(grad.len());
+        Tables {
+            gelu: gelu.into_boxed_slice().try_into().unwrap_or_else(|_| unreachable!()),
+            grad: grad.into_boxed_slice().try_into().unwrap_or_else(|_| unreachable!()),
+        }
+    }
+}
+
 /// The half types with tables.
 pub(super) trait Tabled: Elem + Vx {
     /// The value's bit pattern.
     fn bits(self) -> u16;
     /// The value of a bit pattern.
     fn of_bits(b: u16) -> Self;
-    /// This type's tables, filled on first use.
-    fn tables() -> &'static Tables<Self>;
+    /// Where this type's tables live once filled.
+    fn cell() -> &'static OnceLock<Tables<Self>>;
 }
 
-/// Both tables from the computed kernels: `gelu` through the forward map itself, `gelu'` as
-/// the backward's factor.
-fn fill<T: Tabled>() -> Tables<T> {
-    let all: Vec<T> = (0..PATTERNS).map(|b| T::of_bits(b as u16)).collect();
-    let gelu: Box<[T; PATTERNS]> = super::gelu::computed_map(&all)
-        .into_boxed_slice()
-        .try_into()
-        .unwrap_or_else(|_| unreachable!("one value per pattern"));
-    let mut grad: Box<[f32; PATTERNS]> = vec![0f32; PATTERNS]
-        .into_boxed_slice()
-        .try_into()
-        .unwrap_or_else(|_| unreachable!("one value per pattern"));
-    convert(&all, &mut grad[..]);
-    super::gelu::grad_factors(&mut grad[..]);
-    Tables { gelu, grad }
+/// Every value of the type, in bit order.
+pub(super) fn patterns<T: Tabled>() -> Vec<T> {
+    (0..PATTERNS).map(|b| T::of_bits(b as u16)).collect()
+}
+
+/// `T`'s tables, filled by `fill` on first use.
+pub(super) fn tables<T: Tabled>(fill: impl FnOnce() -> Tables<T>) -> &'static Tables<T> {
+    T::cell().get_or_init(fill)
 }
 
 impl Tabled for f16 {
@@ -65,9 +72,9 @@ impl Tabled for f16 {
     fn of_bits(b: u16) -> Self {
         f16::from_bits(b)
     }
-    fn tables() -> &'static Tables<Self> {
+    fn cell() -> &'static OnceLock<Tables<Self>> {
         static T: OnceLock<Tables<f16>> = OnceLock::new();
-        T.get_or_init(fill)
+        &T
     }
 }
 
@@ -78,9 +85,9 @@ impl Tabled for bf16 {
     fn of_bits(b: u16) -> Self {
         bf16::from_bits(b)
     }
-    fn tables() -> &'static Tables<Self> {
+    fn cell() -> &'static OnceLock<Tables<Self>> {
         static T: OnceLock<Tables<bf16>> = OnceLock::new();
-        T.get_or_init(fill)
+        &T
     }
 }
 
@@ -89,8 +96,8 @@ fn parallel(n: usize) -> bool {
 }
 
 /// `gelu(x)` for every value, looked up.
-pub(super) fn map<T: Tabled>(src: &[T]) -> Vec<T> {
-    let t = &T::tables().gelu;
+pub(super) fn map<T: Tabled>(src: &[T], tables: &Tables<T>) -> Vec<T> {
+    let t = &tables.gelu;
     if parallel(src.len()) {
         src.par_iter()
             .with_min_len(CHUNK)
@@ -128,9 +135,9 @@ impl<T: Tabled> Kernel for Backward<'_, T> {
 
 /// `g * gelu'(x)` for every value, the factor looked up. Panics if the lengths differ
 /// (checked by the op before).
-pub(super) fn grad_of<T: Tabled>(x: &[T], g: &[T]) -> Vec<T> {
+pub(super) fn grad_of<T: Tabled>(x: &[T], g: &[T], tables: &Tables<T>) -> Vec<T> {
     assert_eq!(x.len(), g.len(), "gelu grad: lengths differ");
-    let grad = &*T::tables().grad;
+    let grad = &*tables.grad;
     let mut out = vec![T::from_f32(0.0); x.len()];
     if parallel(x.len()) {
         x.par_chunks(CHUNK)
@@ -146,39 +153,4 @@ pub(super) fn grad_of<T: Tabled>(x: &[T], g: &[T]) -> Vec<T> {
         });
     }
     out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Every bit pattern, the forward and the backward (with gradients of several
-    /// magnitudes and signs, an infinity and a NaN among them): the lookups return the
-    /// computed results bit for bit.
-    fn every_pattern<T: Tabled>() {
-        let all: Vec<T> = (0..PATTERNS).map(|b| T::of_bits(b as u16)).collect();
-        let want = super::super::gelu::computed_map(&all);
-        let got = map(&all);
-        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-            assert_eq!(a.bits(), b.bits(), "gelu of pattern {i:#06x}");
-        }
-        for gv in [1.0f32, -3.5, 1e-3, 6e4, f32::INFINITY, f32::NAN] {
-            let g = vec![T::from_f32(gv); PATTERNS];
-            let want = super::super::gelu::computed_grad_of(&all, &g);
-            let got = grad_of(&all, &g);
-            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-                assert_eq!(a.bits(), b.bits(), "gelu' of pattern {i:#06x} times {gv}");
-            }
-        }
-    }
-
-    #[test]
-    fn f16_lookups_equal_the_computed_values() {
-        every_pattern::<f16>();
-    }
-
-    #[test]
-    fn bf16_lookups_equal_the_computed_values() {
-        every_pattern::<bf16>();
-    }
 }
