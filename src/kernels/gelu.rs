@@ -122,14 +122,21 @@ fn contiguous(l: &Layout) -> Result<(usize, usize)> {
 }
 
 /// `T`'s tables, filled on first use from the computed kernels: `gelu` through the forward
-/// map itself, `gelu'` as the backward's factor.
+/// loop itself, `gelu'` as the backward's factor.
 fn tables<T: Tabled>() -> &'static Tables<T> {
     gelu_table::tables(|| {
         let all = gelu_table::patterns::<T>();
         let mut grad = vec![0f32; all.len()];
         convert(&all, &mut grad);
         grad_factors(&mut grad);
-        Tables::new(computed_map(&all), grad)
+        // On this thread alone: a rayon join here could run, while it waits, another task
+        // that asks for these tables, re-entering their initialisation.
+        let mut gelu = vec![T::from_f32(0.0); all.len()];
+        dispatch(Forward {
+            src: &all,
+            dst: &mut gelu,
+        });
+        Tables::new(gelu, grad)
     })
 }
 
