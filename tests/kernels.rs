@@ -910,7 +910,8 @@ fn norm_rejects_a_weight_of_the_wrong_length() {
 }
 
 /// The results of every kernel whose loops are compiled once per tier (GELU, ReLU, the
-/// softmax's backward, layer and RMS norm, the bias gradient's column sums, the fused SGD update), named, as bit patterns.
+/// softmax's backward, layer and RMS norm, the bias gradient's column sums, the fused SGD
+/// update), named, as bit patterns.
 fn per_tier_results() -> Vec<(String, Vec<u32>)> {
     use candle_amp::optim::{GroupHyper, Optimizer, ParamUpdate, Sgd, SgdConfig};
     let mut out = Vec::new();

@@ -93,6 +93,26 @@ pub(crate) fn sum_lanes(x: &[f32], f: impl Fn(f32) -> f32) -> f32 {
     reduce(&acc, tail)
 }
 
+/// `Σ a[i] * b[i]` as [`LANES`] partial sums, the rest in order, then [`reduce`]: the same
+/// order on every tier, as [`sum_lanes`].
+#[inline(always)]
+pub(crate) fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let (mut ca, mut cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    for (x, y) in (&mut ca).zip(&mut cb) {
+        let x: &[f32; LANES] = x.try_into().expect("a whole chunk");
+        let y: &[f32; LANES] = y.try_into().expect("a whole chunk");
+        for l in 0..LANES {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let mut tail = 0f32;
+    for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
+        tail += x * y;
+    }
+    reduce(&acc, tail)
+}
+
 /// The partial sums added pairwise (halves, then quarters, ...), then `tail`. Out of line on
 /// purpose: inlined after the loop, the compiler's vectoriser pairs the final additions with
 /// the loop's and vectorises the loop two lanes wide.
@@ -120,6 +140,27 @@ mod tests {
         #[inline(always)]
         fn run(self) -> f32 {
             sum_lanes(self.0, |v| v * v)
+        }
+    }
+
+    struct Dot<'a>(&'a [f32], &'a [f32]);
+
+    impl Kernel for Dot<'_> {
+        type Output = f32;
+        #[inline(always)]
+        fn run(self) -> f32 {
+            dot_lanes(self.0, self.1)
+        }
+    }
+
+    #[test]
+    fn lane_dot_products_add_every_product_once() {
+        for n in [0, 1, 31, 32, 33, 100, 1000] {
+            let a: Vec<f32> = (0..n).map(|i| (i % 7) as f32).collect();
+            let b: Vec<f32> = (0..n).map(|i| (i % 5) as f32 - 2.0).collect();
+            let want: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
+            // Small integers: every order gives the exact sum.
+            assert_eq!(dispatch(Dot(&a, &b)), want, "{n} values");
         }
     }
 

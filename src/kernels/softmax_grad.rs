@@ -8,32 +8,12 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, D, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::dispatch::{Kernel, LANES, dispatch, reduce};
+use super::dispatch::{Kernel, dispatch, dot_lanes};
 use super::simd::Elem;
 use super::slices::{Vx, convert};
 
 /// Rows per rayon task and per conversion pass.
 const ROWS_PER_TASK: usize = 16;
-
-/// `Σ a[i] * b[i]` as [`LANES`] partial sums, the rest in order, then [`reduce`]: the same
-/// order on every tier (see [`super::dispatch::sum_lanes`]).
-#[inline(always)]
-fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; LANES];
-    let (mut ca, mut cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    for (x, y) in (&mut ca).zip(&mut cb) {
-        let x: &[f32; LANES] = x.try_into().expect("a whole chunk");
-        let y: &[f32; LANES] = y.try_into().expect("a whole chunk");
-        for l in 0..LANES {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    let mut tail = 0f32;
-    for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
-        tail += x * y;
-    }
-    reduce(&acc, tail)
-}
 
 /// Rows of `cols` values: `dy` becomes `dx` in place.
 struct Rows<'a> {
@@ -144,6 +124,15 @@ mod tests {
     use super::*;
     use candle_core::Device;
 
+    fn f64s(t: &Tensor) -> Vec<f64> {
+        t.to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    }
+
     /// Against the same arithmetic in f64, every type pair, rows shorter and longer than the
     /// lanes, a zero row (masked) and an empty tensor.
     #[test]
@@ -151,8 +140,7 @@ mod tests {
         for cols in [1usize, 5, 32, 33, 130] {
             let rows = 37;
             let n = rows * cols;
-            let raw: Vec<f32> = (0..n).map(|i| ((i * 7919 % 101) as f32) / 101.0).collect();
-            let mut y = raw.clone();
+            let mut y: Vec<f32> = (0..n).map(|i| ((i * 7919 % 101) as f32) / 101.0).collect();
             for r in 0..rows {
                 let s: f32 = y[r * cols..(r + 1) * cols].iter().sum();
                 y[r * cols..(r + 1) * cols].iter_mut().for_each(|v| *v /= s.max(1e-3));
@@ -161,37 +149,14 @@ mod tests {
             let dy: Vec<f32> = (0..n).map(|i| ((i * 104729 % 53) as f32) / 13.0 - 2.0).collect();
             for dt in [DType::F32, DType::F16, DType::BF16] {
                 for out in [DType::F32, DType::F16, DType::BF16] {
-                    let yt = Tensor::from_vec(y.clone(), (rows, cols), &Device::Cpu)
-                        .unwrap()
-                        .to_dtype(dt)
-                        .unwrap();
-                    let gt = Tensor::from_vec(dy.clone(), (rows, cols), &Device::Cpu)
-                        .unwrap()
-                        .to_dtype(dt)
-                        .unwrap();
+                    let typed = |v: &[f32]| {
+                        let t = Tensor::from_slice(v, (rows, cols), &Device::Cpu).unwrap();
+                        t.to_dtype(dt).unwrap()
+                    };
+                    let (yt, gt) = (typed(&y), typed(&dy));
                     let got = grad(&yt, &gt, 0.37, out).unwrap();
                     assert_eq!((got.dtype(), got.dims()), (out, &[rows, cols][..]));
-                    let got = got
-                        .to_dtype(DType::F32)
-                        .unwrap()
-                        .flatten_all()
-                        .unwrap()
-                        .to_vec1::<f32>()
-                        .unwrap();
-                    let y64: Vec<f64> = yt
-                        .to_dtype(DType::F64)
-                        .unwrap()
-                        .flatten_all()
-                        .unwrap()
-                        .to_vec1()
-                        .unwrap();
-                    let g64: Vec<f64> = gt
-                        .to_dtype(DType::F64)
-                        .unwrap()
-                        .flatten_all()
-                        .unwrap()
-                        .to_vec1()
-                        .unwrap();
+                    let (got, y64, g64) = (f64s(&got), f64s(&yt), f64s(&gt));
                     let ulp = match out {
                         DType::F32 => 1e-6,
                         DType::F16 => 1e-3,
@@ -204,7 +169,7 @@ mod tests {
                             let want = y64[i] * (g64[i] - dot) * 0.37;
                             let tol = ulp * (1.0 + want.abs()) + 1e-6 * cols as f64;
                             assert!(
-                                (got[i] as f64 - want).abs() <= tol,
+                                (got[i] - want).abs() <= tol,
                                 "{dt:?}->{out:?} cols {cols} at {i}: {} vs {want}",
                                 got[i]
                             );
