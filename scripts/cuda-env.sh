@@ -75,11 +75,12 @@ make_venv() {
     rm -rf "$top/venv"
     python3 -m venv "$top/venv" > /dev/null 2>&1 && "$top/venv/bin/python" -m pip --version > /dev/null 2>&1
 }
+# No wheel cache: it would hold a second copy of the 1.5 GB (a CI machine's disk may be small).
 pip_install() {
     if [ -n "$site" ]; then
-        python3 -m pip install -q --disable-pip-version-check --target "$site" "${wheels[@]}" >&2
+        python3 -m pip install -q --no-cache-dir --disable-pip-version-check --target "$site" "${wheels[@]}" >&2
     else
-        "$top/venv/bin/python" -m pip install -q --disable-pip-version-check "${wheels[@]}" >&2
+        "$top/venv/bin/python" -m pip install -q --no-cache-dir --disable-pip-version-check "${wheels[@]}" >&2
     fi
 }
 command -v python3 > /dev/null || die "python3 is needed to install NVIDIA's CUDA wheels"
