@@ -93,9 +93,10 @@ fn empty_batches_and_sequences_are_valid_steps() {
                     let (report, gx) = backward_capturing(&run, &y.sum_all().unwrap(), &mut opt, x.as_tensor());
                     assert!(!report.found_inf, "{what}: overflow reported");
                     assert_eq!(gx.expect("the input's gradient").dims(), [b, t, DM], "{what}");
-                    // O2/O3: the fused nodes write every parameter's gradient, zero here, as
-                    // PyTorch's backward does. At O0/O1 the products run on candle's ops,
-                    // which return an empty operand as it is, without recording the op: no
+                    // O2/O3: the layers' own nodes (the fused sub-layers fall back to them on
+                    // an empty input) write every parameter's gradient, zero here, as
+                    // PyTorch's backward does. At O0/O1 the layers run candle's ops, which on
+                    // an empty operand return it (or zeros) without recording the op: no
                     // gradient reaches the parameters, and the run warns that they got none.
                     let want = if matches!(level, OptLevel::O2 | OptLevel::O3) {
                         before.len()
