@@ -15,6 +15,8 @@
 //!
 //! [`isa::current`]: super::isa::current
 
+use rayon::prelude::*;
+
 #[cfg(target_arch = "x86_64")]
 use super::isa::{Isa, current};
 
@@ -64,6 +66,49 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn avx2<K: Kernel>(k: K) -> K::Output {
         k.run()
+    }
+}
+
+/// Whether `n` values are worth splitting into tasks of `chunk` over the rayon pool: more
+/// than two tasks' worth, and more than one thread to run them.
+pub(crate) fn worth_splitting(n: usize, chunk: usize) -> bool {
+    n > 2 * chunk && rayon::current_num_threads() > 1
+}
+
+/// The kernel `make(src, dst)` builds, over equal-length slices: on pieces of `chunk` values
+/// in rayon tasks where [`worth_splitting`], else once on the calling thread. Each piece runs
+/// through [`dispatch`].
+pub(crate) fn split_map<'a, S: Sync, D: Send, K: Kernel<Output = ()>>(
+    src: &'a [S],
+    dst: &'a mut [D],
+    chunk: usize,
+    make: impl Fn(&'a [S], &'a mut [D]) -> K + Sync + Send,
+) {
+    if worth_splitting(src.len(), chunk) {
+        src.par_chunks(chunk)
+            .zip(dst.par_chunks_mut(chunk))
+            .for_each(|(s, d)| dispatch(make(s, d)));
+    } else {
+        dispatch(make(src, dst));
+    }
+}
+
+/// [`split_map`] with two inputs: the kernel `make(a, b, dst)` builds, over equal-length
+/// slices.
+pub(crate) fn split_zip<'a, A: Sync, B: Sync, D: Send, K: Kernel<Output = ()>>(
+    a: &'a [A],
+    b: &'a [B],
+    dst: &'a mut [D],
+    chunk: usize,
+    make: impl Fn(&'a [A], &'a [B], &'a mut [D]) -> K + Sync + Send,
+) {
+    if worth_splitting(a.len(), chunk) {
+        a.par_chunks(chunk)
+            .zip(b.par_chunks(chunk))
+            .zip(dst.par_chunks_mut(chunk))
+            .for_each(|((a, b), d)| dispatch(make(a, b, d)));
+    } else {
+        dispatch(make(a, b, dst));
     }
 }
 

@@ -8,9 +8,8 @@
 
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
-use rayon::prelude::*;
 
-use super::dispatch::{Kernel, dispatch};
+use super::dispatch::{Kernel, split_zip};
 use super::graph_grad::for_candle;
 use super::simd::Elem;
 use super::slices::{Vx, convert_serial as convert};
@@ -18,10 +17,6 @@ use super::slices::{Vx, convert_serial as convert};
 /// Elements per block: widened to f32 on the stack, computed, narrowed back.
 const BLOCK: usize = 512;
 const CHUNK: usize = 1 << 14;
-
-fn parallel(n: usize) -> bool {
-    n > 2 * CHUNK && rayon::current_num_threads() > 1
-}
 
 /// Whether a tensor takes the half path.
 fn half_cpu(t: &Tensor) -> bool {
@@ -65,14 +60,7 @@ impl<T: Elem + Vx> Kernel for Blocks<'_, T> {
 fn combine<T: Elem + Vx>(a: &[T], b: &[T], how: Combine) -> Vec<T> {
     assert_eq!(a.len(), b.len(), "amp-elementwise: lengths differ");
     let mut out = vec![T::from_f32(0.0); a.len()];
-    if parallel(a.len()) {
-        a.par_chunks(CHUNK)
-            .zip(b.par_chunks(CHUNK))
-            .zip(out.par_chunks_mut(CHUNK))
-            .for_each(|((a, b), d)| dispatch(Blocks { a, b, d, how }));
-    } else {
-        dispatch(Blocks { a, b, d: &mut out, how });
-    }
+    split_zip(a, b, &mut out, CHUNK, |a, b, d| Blocks { a, b, d, how });
     out
 }
 

@@ -12,9 +12,8 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
-use rayon::prelude::*;
 
-use super::dispatch::{Kernel, dispatch};
+use super::dispatch::{Kernel, dispatch, split_map, split_zip};
 use super::gelu_table::{self, Tabled, Tables};
 use super::simd::Elem;
 use super::slices::{Vx, convert_serial as convert};
@@ -74,11 +73,6 @@ fn gelu_grad(x: f32) -> f32 {
 /// Elements per block: widened to f32 on the stack, computed, narrowed back.
 const BLOCK: usize = 512;
 
-/// Whether `n` values are worth splitting into tasks of [`CHUNK`] over the rayon pool.
-fn parallel(n: usize) -> bool {
-    n > 2 * CHUNK && rayon::current_num_threads() > 1
-}
-
 /// `dst = gelu(src)` in f32 blocks on the calling thread: the vectorised slice conversions
 /// around the arithmetic (a per-value `half` conversion is an out-of-line call in a baseline
 /// build), the arithmetic compiled per tier.
@@ -106,13 +100,7 @@ impl<T: Elem + Vx> Kernel for Forward<'_, T> {
 /// `gelu` over `src` into a new vector, computed.
 fn computed_map<T: Elem + Vx>(src: &[T]) -> Vec<T> {
     let mut out = vec![T::from_f32(0.0); src.len()];
-    if parallel(src.len()) {
-        src.par_chunks(CHUNK)
-            .zip(out.par_chunks_mut(CHUNK))
-            .for_each(|(src, dst)| dispatch(Forward { src, dst }));
-    } else {
-        dispatch(Forward { src, dst: &mut out });
-    }
+    split_map(src, &mut out, CHUNK, |src, dst| Forward { src, dst });
     out
 }
 
@@ -197,14 +185,7 @@ impl<T: Elem + Vx> Kernel for Backward<'_, T> {
 fn computed_grad_of<T: Elem + Vx>(x: &[T], g: &[T]) -> Vec<T> {
     assert_eq!(x.len(), g.len(), "gelu grad: lengths differ");
     let mut out = vec![T::from_f32(0.0); x.len()];
-    if parallel(x.len()) {
-        x.par_chunks(CHUNK)
-            .zip(g.par_chunks(CHUNK))
-            .zip(out.par_chunks_mut(CHUNK))
-            .for_each(|((x, g), d)| dispatch(Backward { x, g, d }));
-    } else {
-        dispatch(Backward { x, g, d: &mut out });
-    }
+    split_zip(x, g, &mut out, CHUNK, |x, g, d| Backward { x, g, d });
     out
 }
 

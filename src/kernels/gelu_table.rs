@@ -14,7 +14,7 @@ use std::sync::OnceLock;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use super::dispatch::{Kernel, dispatch};
+use super::dispatch::{Kernel, split_zip, worth_splitting};
 use super::simd::Elem;
 use super::slices::{Vx, convert_serial as convert};
 
@@ -91,14 +91,10 @@ impl Tabled for bf16 {
     }
 }
 
-fn parallel(n: usize) -> bool {
-    n > 2 * CHUNK && rayon::current_num_threads() > 1
-}
-
 /// `gelu(x)` for every value, looked up.
 pub(super) fn map<T: Tabled>(src: &[T], tables: &Tables<T>) -> Vec<T> {
     let t = &tables.gelu;
-    if parallel(src.len()) {
+    if worth_splitting(src.len(), CHUNK) {
         src.par_iter()
             .with_min_len(CHUNK)
             .map(|v| t[v.bits() as usize])
@@ -139,18 +135,6 @@ pub(super) fn grad_of<T: Tabled>(x: &[T], g: &[T], tables: &Tables<T>) -> Vec<T>
     assert_eq!(x.len(), g.len(), "gelu grad: lengths differ");
     let grad = &*tables.grad;
     let mut out = vec![T::from_f32(0.0); x.len()];
-    if parallel(x.len()) {
-        x.par_chunks(CHUNK)
-            .zip(g.par_chunks(CHUNK))
-            .zip(out.par_chunks_mut(CHUNK))
-            .for_each(|((x, g), d)| dispatch(Backward { x, g, d, grad }));
-    } else {
-        dispatch(Backward {
-            x,
-            g,
-            d: &mut out,
-            grad,
-        });
-    }
+    split_zip(x, g, &mut out, CHUNK, |x, g, d| Backward { x, g, d, grad });
     out
 }

@@ -6,9 +6,8 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
-use rayon::prelude::*;
 
-use super::dispatch::{Kernel, dispatch};
+use super::dispatch::{Kernel, split_map, split_zip};
 
 const CHUNK: usize = 1 << 16;
 
@@ -104,20 +103,9 @@ impl<T: Bits> Kernel for Backward<'_, T> {
     }
 }
 
-/// Whether `n` values are worth splitting into tasks of [`CHUNK`] over the rayon pool.
-fn parallel(n: usize) -> bool {
-    n > 2 * CHUNK && rayon::current_num_threads() > 1
-}
-
 fn forward<T: Bits>(src: &[T]) -> Vec<T> {
     let mut out = vec![T::ZERO; src.len()];
-    if parallel(src.len()) {
-        src.par_chunks(CHUNK)
-            .zip(out.par_chunks_mut(CHUNK))
-            .for_each(|(src, dst)| dispatch(Forward { src, dst }));
-    } else {
-        dispatch(Forward { src, dst: &mut out });
-    }
+    split_map(src, &mut out, CHUNK, |src, dst| Forward { src, dst });
     out
 }
 
@@ -158,14 +146,7 @@ pub(super) struct ReluGrad;
 fn masked<T: Bits>(y: &[T], g: &[T]) -> Vec<T> {
     assert_eq!(y.len(), g.len(), "relu grad: lengths differ");
     let mut out = vec![T::ZERO; y.len()];
-    if parallel(y.len()) {
-        y.par_chunks(CHUNK)
-            .zip(g.par_chunks(CHUNK))
-            .zip(out.par_chunks_mut(CHUNK))
-            .for_each(|((y, g), dst)| dispatch(Backward { y, g, dst }));
-    } else {
-        dispatch(Backward { y, g, dst: &mut out });
-    }
+    split_zip(y, g, &mut out, CHUNK, |y, g, dst| Backward { y, g, dst });
     out
 }
 

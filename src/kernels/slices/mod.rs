@@ -13,8 +13,9 @@ use crate::error::{AmpError, Result};
 /// Slices longer than this are split over the rayon pool (when it has more than one thread).
 pub(crate) const PAR_CHUNK: usize = 1 << 16;
 
+/// Whether `n` values are worth splitting into tasks of [`PAR_CHUNK`].
 pub(crate) fn parallel(n: usize) -> bool {
-    n > 2 * PAR_CHUNK && rayon::current_num_threads() > 1
+    super::dispatch::worth_splitting(n, PAR_CHUNK)
 }
 
 // ------------------------------------------------------------------------------- convert
