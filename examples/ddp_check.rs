@@ -1,12 +1,17 @@
 //! The data-parallel scenarios of `tests/dist.rs` across real processes: run it under
-//! `mpirun -np 2` (CI does). Every rank trains its shard; ranks compare their final weights
-//! bit for bit, and rank 0 compares them with one process training whole batches. Exits
-//! non-zero on the first failure, on every rank. Last, rank 1 stops answering for 3 s and
-//! rank 0, waiting 1 s, must fail with a timeout instead of hanging.
+//! `mpirun -np 2` and `-np 3` (CI does both). Every rank trains its shard; ranks compare
+//! their final weights bit for bit, and rank 0 compares them with one process training whole
+//! batches (where the world size divides the batch). ZeRO and overlapped runs must equal the
+//! plain run bit for bit on any world size, and ranks that disagree (lengths, buckets,
+//! options, a parameter only one rank has, `no_sync` on one rank: `disagree.rs`) must all
+//! fail with a `Mismatch` before any data moves. Exits non-zero on the first failure, on
+//! every rank. Last, rank 1 stops answering for 3 s and rank 0, waiting 1 s, must fail with
+//! a timeout instead of hanging.
 //!
 //! ```sh
 //! cargo build --release --features mpi --example ddp_check
 //! mpirun -np 2 target/release/examples/ddp_check
+//! mpirun -np 3 target/release/examples/ddp_check
 //! ```
 
 #[path = "../tests/dist_scenarios/mod.rs"]
@@ -43,9 +48,12 @@ fn main() -> Result<()> {
     let mpi = Arc::new(MpiComm::with_timeout(Duration::from_secs(120))?);
     let comm: Arc<dyn Communicator> = mpi.clone();
     let (rank, world) = (comm.rank(), comm.world_size());
-    if !B.is_multiple_of(world) {
-        bail!("the scenarios split batches of {B}: run with a world size that divides it");
+    if world < 2 {
+        bail!("run me on 2 or more ranks");
     }
+    // The comparisons with one process need equal shards of each batch; the others hold on
+    // any world size (a shard then drops the batch's last rows, the same in both runs).
+    let whole = B.is_multiple_of(world);
     let scenarios = [
         ("guard O0", OptLevel::O0, HalfType::F16, Api::Guard, false, false, 1e-5),
         (
@@ -113,7 +121,10 @@ fn main() -> Result<()> {
         ),
     ];
     let mut failures = 0;
-    for (name, level, half, api, bn, extra, tol) in scenarios {
+    if !whole && rank == 0 {
+        eprintln!("{world} ranks do not divide batches of {B}: the comparisons with one process are skipped");
+    }
+    for (name, level, half, api, bn, extra, tol) in scenarios.into_iter().filter(|_| whole) {
         let run = train(Some(comm.clone()), world, level, half, api, bn, extra);
         let mut problems = Vec::new();
         // Bit-identical across ranks: everyone compares with rank 0's bytes.
@@ -161,6 +172,7 @@ fn main() -> Result<()> {
     failures += collectives(&*comm, rank, world)?;
     failures += sharded(&comm, rank, world)?;
     failures += overlapped(&comm, rank, world)?;
+    failures += disagreements(&comm, rank)?;
     // A rank that stops answering: the others fail with a timeout instead of hanging. Rank
     // 1+ arrive 3 s late at a barrier rank 0 waits for 1 s; then everyone meets again.
     mpi.set_timeout(Duration::from_secs(1));
@@ -193,9 +205,30 @@ fn main() -> Result<()> {
         std::process::exit(1);
     }
     if rank == 0 {
-        println!("ddp_check: all {} scenarios passed on {world} ranks", scenarios.len());
+        println!("ddp_check: every scenario passed on {world} ranks");
     }
     Ok(())
+}
+
+/// Ranks that disagree (`tests/dist_scenarios/disagree.rs`): every case must fail on every
+/// rank with a `Mismatch` before any data moves. Returns the number of failed cases.
+fn disagreements(comm: &Arc<dyn Communicator>, rank: usize) -> Result<usize> {
+    let mut failures = 0;
+    for (name, outcome) in dist_scenarios::disagree::run_all(comm) {
+        let mut bad = [if outcome.is_err() { 1.0f32 } else { 0.0 }];
+        comm.all_reduce_sum(&mut bad)?;
+        match &outcome {
+            Err(p) => eprintln!("rank {rank}: disagreement \"{name}\": {p}"),
+            Ok(detail) if rank == 0 && bad[0] == 0.0 => {
+                eprintln!("disagreement \"{name}\": as expected on every rank ({detail})")
+            }
+            Ok(_) => {}
+        }
+        if bad[0] > 0.0 {
+            failures += 1;
+        }
+    }
+    Ok(failures)
 }
 
 /// ZeRO stages 1 and 2 across real processes: each sharded run ends with the unsharded
@@ -320,9 +353,22 @@ fn overlapped(comm: &Arc<dyn Communicator>, rank: usize, world: usize) -> Result
             },
         ),
     ];
+    // And a head only rank 0 uses: the other ranks overlap too (their own graph decides
+    // which of rank 0's buckets they can send early).
+    let cases = cases.into_iter().map(|c| (c, false)).chain([(
+        (
+            "O2 f16, a head only rank 0 uses",
+            OptLevel::O2,
+            HalfType::F16,
+            Api::Guard,
+            false,
+            Extras::default(),
+        ),
+        true,
+    )]);
     let mut failures = 0;
-    for (name, level, half, api, bn, extras) in cases {
-        let plain = train_with(Some(comm.clone()), world, level, half, api, bn, false, extras);
+    for ((name, level, half, api, bn, extras), extra) in cases {
+        let plain = train_with(Some(comm.clone()), world, level, half, api, bn, extra, extras);
         let over = train_with(
             Some(comm.clone()),
             world,
@@ -330,7 +376,7 @@ fn overlapped(comm: &Arc<dyn Communicator>, rank: usize, world: usize) -> Result
             half,
             api,
             bn,
-            false,
+            extra,
             Extras {
                 overlap: true,
                 ..extras
@@ -343,7 +389,8 @@ fn overlapped(comm: &Arc<dyn Communicator>, rank: usize, world: usize) -> Result
         if over.skipped != plain.skipped || over.norms != plain.norms {
             problems.push("skipped steps or clipping norms differ".to_string());
         }
-        // With synchronised batch norm the buckets wait for the end of the backward.
+        // With synchronised batch norm the buckets wait for the end of the backward; else
+        // every rank sends some during it.
         if over.overlapped_steps != STEPS as u64 - 1 || (over.early_buckets == 0) != bn {
             problems.push(format!(
                 "{} of {STEPS} steps reduced from the buckets, {} bucket(s) sent during the backward",
@@ -359,7 +406,7 @@ fn overlapped(comm: &Arc<dyn Communicator>, rank: usize, world: usize) -> Result
             failures += 1;
         } else if rank == 0 {
             eprintln!(
-                "overlap {name}: {world} ranks step bit for bit like the run without overlap; {} bucket(s) left during the backward",
+                "overlap {name}: {world} ranks step bit for bit like the run without overlap; {} bucket(s) left during the backward on rank 0",
                 over.early_buckets
             );
         }
@@ -367,32 +414,44 @@ fn overlapped(comm: &Arc<dyn Communicator>, rank: usize, world: usize) -> Result
     Ok(failures)
 }
 
-/// Reduce-scatter and all-gather across real processes: each rank's block of the sum is the
-/// matching part of the all-reduce's (bit for bit on two ranks, where a sum of two is exact
-/// in any order), every rank gets every rank's bytes in rank order, and a partition the
-/// ranks disagree on fails on every rank before any data moves. Returns 1 if any rank saw a
-/// problem, else 0.
+/// Reduce-scatter and all-gather across real processes: the all-reduce adds in rank order
+/// (`LocalGroup`'s bits) and each rank's block of the reduce-scatter is the matching part of
+/// it, bit for bit on any number of ranks and at every size (ZeRO stage 2 then steps like
+/// the unsharded run); every rank gets every rank's bytes in rank order, and a partition
+/// the ranks disagree on fails on every rank before any data moves. Returns 1 if any rank
+/// saw a problem, else 0.
 fn collectives(comm: &dyn Communicator, rank: usize, world: usize) -> Result<usize> {
     let mut problems = Vec::new();
-    let block = 5;
-    let send: Vec<f32> = (0..world * block)
-        .map(|i| {
-            let big = if (i + rank).is_multiple_of(3) { 1.0e8 } else { 1.0 };
-            (i as f32 * 0.37 + rank as f32 * 1.91 - 2.5) * big
-        })
-        .collect();
-    let mut all = send.clone();
-    comm.all_reduce_sum(&mut all)?;
-    let mut mine = vec![f32::NAN; block];
-    comm.reduce_scatter_sum(&send, &mut mine)?;
-    for (i, (a, b)) in mine.iter().zip(&all[rank * block..(rank + 1) * block]).enumerate() {
-        let same = if world <= 2 {
-            a.to_bits() == b.to_bits()
-        } else {
-            (a - b).abs() <= 1e-6 * b.abs().max(1.0)
-        };
-        if !same {
-            problems.push(format!("reduce_scatter_sum[{i}] is {a}, the all-reduce gives {b}"));
+    // Values of mixed magnitude: a sum in another order rounds differently from 3 ranks on.
+    let contribution = |r: usize, i: usize| {
+        let big = if (i + r).is_multiple_of(3) { 1.0e8 } else { 1.0 };
+        (i as f32 * 0.37 + r as f32 * 1.91 - 2.5) * big
+    };
+    // Small and large blocks: MPI libraries switch algorithms (and orders) with the size.
+    for block in [5, 3001, 70_001] {
+        let send: Vec<f32> = (0..world * block).map(|i| contribution(rank, i)).collect();
+        // `LocalGroup`'s order: 0, plus rank 0's, plus rank 1's, ...
+        let want: Vec<u32> = (0..world * block)
+            .map(|i| (0..world).fold(0.0f32, |s, r| s + contribution(r, i)).to_bits())
+            .collect();
+        let mut all = send.clone();
+        comm.all_reduce_sum(&mut all)?;
+        let mut mine = vec![f32::NAN; block];
+        comm.reduce_scatter_sum(&send, &mut mine)?;
+        let first_diff = |got: &[f32], want: &[u32]| got.iter().zip(want).position(|(a, b)| a.to_bits() != *b);
+        if let Some(i) = first_diff(&all, &want) {
+            problems.push(format!(
+                "blocks of {block}: all_reduce_sum[{i}] is {}, the sum in rank order {}",
+                all[i],
+                f32::from_bits(want[i])
+            ));
+        }
+        if let Some(i) = first_diff(&mine, &want[rank * block..(rank + 1) * block]) {
+            problems.push(format!(
+                "blocks of {block}: reduce_scatter_sum[{i}] is {}, the sum in rank order {}",
+                mine[i],
+                f32::from_bits(want[rank * block + i])
+            ));
         }
     }
     let bytes = |r: usize| (0..7).map(move |i| (r * 31 + i * 7) as u8);
@@ -420,7 +479,7 @@ fn collectives(comm: &dyn Communicator, rank: usize, world: usize) -> Result<usi
     }
     if rank == 0 {
         eprintln!(
-            "collectives: reduce-scatter equals the all-reduce's blocks, all-gather in rank order, a disagreeing partition refused on every rank"
+            "collectives: all-reduce in rank order and reduce-scatter its blocks bit for bit (blocks of 5 to 70001), all-gather in rank order, a disagreeing partition refused on every rank"
         );
     }
     Ok(0)

@@ -558,6 +558,7 @@ impl Amp {
     /// # Ok(()) }
     /// ```
     pub fn scale_loss<'a>(&'a self, loss: &Tensor, optimizer: &'a mut AmpOptimizer) -> Result<ScaleLoss<'a>> {
+        self.run.check_not_diverged("Amp::scale_loss")?;
         ScaleLoss::new(&self.run, loss, 0, vec![optimizer])
     }
 
@@ -568,6 +569,7 @@ impl Amp {
         loss_id: usize,
         optimizer: &'a mut AmpOptimizer,
     ) -> Result<ScaleLoss<'a>> {
+        self.run.check_not_diverged("Amp::scale_loss_id")?;
         ScaleLoss::new(&self.run, loss, loss_id, vec![optimizer])
     }
 
@@ -579,6 +581,7 @@ impl Amp {
         loss_id: usize,
         optimizers: Vec<&'a mut AmpOptimizer>,
     ) -> Result<ScaleLoss<'a>> {
+        self.run.check_not_diverged("Amp::scale_loss_multi")?;
         ScaleLoss::new(&self.run, loss, loss_id, optimizers)
     }
 }

@@ -170,6 +170,11 @@ pub enum DistErrorKind {
     /// The call needs the whole f32 master weights or optimizer state, which a rank of a
     /// ZeRO-sharded run holds only a shard of.
     Sharded,
+    /// A sharded step failed after this rank had written some of the other ranks' updated
+    /// weights (a rank stopped between two rounds of the all-gather): the ranks' states no
+    /// longer belong to one step, so the run refuses every later step, clip, unscale, loss
+    /// scaling and save with this kind. Resume from the last checkpoint in a new run.
+    Diverged,
 }
 
 impl std::fmt::Display for DistErrorKind {
@@ -180,6 +185,7 @@ impl std::fmt::Display for DistErrorKind {
             DistErrorKind::Backend => "backend error",
             DistErrorKind::NotLaunched => "not launched",
             DistErrorKind::Sharded => "state is sharded",
+            DistErrorKind::Diverged => "ranks diverged; resume from the last checkpoint",
         })
     }
 }

@@ -43,3 +43,10 @@ pub fn linear_backward_both_ways(
 ) -> Result<Option<[Vec<Tensor>; 2]>> {
     Ok(crate::kernels::wgrad::backward_both_ways(x, w, b, g, wide)?)
 }
+
+/// How many backwards have stashed parameter gradients (those of the run's fused layers and
+/// checkpointed segments) that no call has taken yet: tests check that it stays bounded
+/// over a training loop and that `zero_grad` empties it.
+pub fn waiting_backwards(amp: &Amp) -> usize {
+    amp.run.stash().waiting_backwards()
+}

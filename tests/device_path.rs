@@ -487,7 +487,7 @@ fn bn_step(watch: Option<std::sync::Arc<Watch>>, x: &Tensor, r: &Tensor, device_
     let mut opt = amp.optimizer(Sgd::new(SgdConfig::new(0.1)).unwrap()).unwrap();
     let ddp = watch.clone().map(|w| {
         let d = DataParallel::new(&amp, w, DataParallelConfig { bucket_bytes: 16 }).unwrap();
-        d.sync_batch_norm(&amp, true);
+        d.sync_batch_norm(&amp, true).unwrap();
         d
     });
     let (syncs0, sums0) = (amp.host_syncs(), watch.as_ref().map_or((0, 0), |w| w.counts()));

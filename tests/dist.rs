@@ -216,6 +216,27 @@ fn different_models_fail_on_every_rank() {
     );
 }
 
+/// The cases of `dist_scenarios/disagree.rs` (which `examples/ddp_check.rs` runs on 2, 3
+/// and 4 MPI processes): different lengths, bucket splits, collectives and roots, options
+/// that shape the collectives (bucket_bytes, the device path, the half type, the ZeRO stage,
+/// synchronised batch norm, overlap), a parameter only rank 0 has (at the start and built
+/// later) and `no_sync` on one rank: every rank fails with a `Mismatch` naming the
+/// difference, nothing moved, and the group stays paired for the next case.
+#[test]
+fn ranks_that_disagree_all_fail_with_a_mismatch_before_data_moves() {
+    for world in [2, 3] {
+        let out = on_ranks(world, Duration::from_secs(20), |c| disagree::run_all(&c));
+        for (r, cases) in out.iter().enumerate() {
+            assert_eq!(cases.len(), 15, "rank {r}");
+            for (name, outcome) in cases {
+                if let Err(p) = outcome {
+                    panic!("{world} ranks, rank {r}, \"{name}\": {p}");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn a_rank_that_never_answers_times_out_instead_of_hanging() {
     let out = on_ranks(2, Duration::from_millis(300), |c| {

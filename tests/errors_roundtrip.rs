@@ -25,7 +25,7 @@ fn a_sync_batch_norm_timeout_is_a_typed_distributed_error() {
         let model = amp.model(|vb| batch_norm(4, 1e-5, vb.pp("bn"))).unwrap();
         let rank = c.rank();
         let dp = DataParallel::new(&amp, c, Default::default()).unwrap();
-        dp.sync_batch_norm(&amp, true);
+        dp.sync_batch_norm(&amp, true).unwrap();
         if rank == 1 {
             return None; // joins the group, then never runs the forward
         }

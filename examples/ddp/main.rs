@@ -25,7 +25,8 @@
 //! `master_state_bytes` (rank 0's f32 masters and optimizer state), and `overlap`,
 //! `comm_exposed_ms` (how long a step waited for its reduction: all of `comm_ms` without
 //! overlap), `comm_exposed_share` (the two's ratio), `overlapped_steps` and `early_buckets`
-//! (buckets sent while the backward still ran). A checkpoint
+//! (buckets sent while the backward still ran; `early_buckets_per_rank`: every rank's). A
+//! checkpoint
 //! written on one number of ranks resumes on any other, sharded or not.
 
 #[path = "../train/cli.rs"]
@@ -203,6 +204,8 @@ struct RunResult {
     comm_exposed_ms: f64,
     overlapped_steps: u64,
     early_buckets: u64,
+    /// Every rank's `early_buckets`, in rank order.
+    early_buckets_per_rank: Vec<u64>,
     master_state_bytes: usize,
     autocast_ops: usize,
     progress: Progress,
@@ -381,6 +384,13 @@ fn train_one(comm: &Arc<dyn Communicator>, d: &Data, level: amp::OptLevel, a: &A
     let pred = logits.argmax(1)?.to_vec1::<u32>()?;
     let correct = pred.iter().zip(&d.test.y).filter(|(p, t)| p == t).count();
     times.sort_by(f64::total_cmp);
+    // Every rank's overlap, not only rank 0's (ranks whose graphs differ overlap differently).
+    let mut every = vec![0u8; 8 * comm.world_size()];
+    comm.all_gather_bytes(&ddp.early_buckets().to_le_bytes(), &mut every)?;
+    let early_buckets_per_rank = every
+        .chunks_exact(8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+        .collect();
     Ok(RunResult {
         param_dtype,
         final_loss,
@@ -396,6 +406,7 @@ fn train_one(comm: &Arc<dyn Communicator>, d: &Data, level: amp::OptLevel, a: &A
         comm_exposed_ms: ddp.comm_exposed_ms(),
         overlapped_steps: ddp.overlapped_steps(),
         early_buckets: ddp.early_buckets(),
+        early_buckets_per_rank,
         master_state_bytes: amp.store().master_bytes() + opt.state_bytes()?,
         autocast_ops: amp.autocast_ops(),
         progress,
@@ -498,6 +509,7 @@ fn main() -> Result<()> {
                 "comm_exposed_share": if r.comm_ms > 0.0 { r.comm_exposed_ms / r.comm_ms } else { 0.0 },
                 "overlapped_steps": r.overlapped_steps,
                 "early_buckets": r.early_buckets,
+                "early_buckets_per_rank": r.early_buckets_per_rank,
             });
             if level == amp::OptLevel::O1 {
                 line["autocast_ops"] = r.autocast_ops.into();

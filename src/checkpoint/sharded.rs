@@ -57,6 +57,8 @@ impl CheckpointDir {
         comm: &dyn Communicator,
         owns: &dyn Fn(&str) -> Option<bool>,
     ) -> Result<PathBuf> {
+        // A diverged run's weights mix two steps: nothing of it is worth saving.
+        amp.run().check_not_diverged("DataParallel::save_checkpoint")?;
         let (rank, world) = (comm.rank(), comm.world_size());
         // 1. Rank 0 takes the lock, numbers the version and makes its directory.
         let mut begun: Option<NewVersion> = None;
@@ -153,6 +155,7 @@ impl CheckpointDir {
         extra: serde_json::Value,
         comm: &dyn Communicator,
     ) -> Result<PathBuf> {
+        amp.run().check_not_diverged("DataParallel::save_checkpoint")?;
         let done = (comm.rank() == 0).then(|| self.save(amp, optimizers, step, extra));
         share_outcome(comm, done, &self.root, "save the checkpoint")
     }

@@ -7,6 +7,21 @@
 //! [`DistErrorKind::Timeout`] instead of hanging (their buffers are then leaked, since MPI
 //! may still write into them; the process should exit). The buckets of one step are in
 //! flight together.
+//!
+//! Every call starts with a header: one all-reduce (max) of six integers that says which
+//! collective this rank is at, its root and its lengths. MPI cannot tell ranks that call
+//! different collectives, or the same with different counts, apart (that is undefined
+//! behaviour: a hang, an error or mixed data); with the header they all fail with
+//! [`DistErrorKind::Mismatch`] before any data moves, their buffers untouched, and the
+//! group stays usable, as a `LocalGroup` does.
+//!
+//! Sums are added in rank order (`0 + rank 0's + rank 1's + ...`), the order `LocalGroup`
+//! uses, by an all-to-all of the blocks, a local sum of this rank's block and an all-gather
+//! (a ring all-reduce's traffic): MPI's own reductions pick their order by message size and
+//! world size, so an all-reduce and a reduce-scatter of the same values (ZeRO stage 2
+//! against the unsharded run), or buckets of another size, could round differently on 3 or
+//! more ranks. With the fixed order every element's sum is the same bits whatever the
+//! collective, the bucket layout or the MPI library's tuning.
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,7 +32,7 @@ use mpi::collective::{CommunicatorCollectives, Root, SystemOperation};
 use mpi::request::{Request, StaticScope};
 use mpi::topology::{Communicator as _, SimpleCommunicator};
 
-use crate::comm::{Communicator, DEFAULT_TIMEOUT, agree_on_len, check_blocks, check_root};
+use crate::comm::{Communicator, DEFAULT_TIMEOUT, check_blocks, check_root, describe_lens};
 use crate::error::{AmpError, DistErrorKind, Result};
 
 /// A rank of an MPI job (`MPI_COMM_WORLD`). Make one per process, at the start of `main`;
@@ -150,15 +165,15 @@ impl MpiComm {
     /// timeout.
     fn one_collective<T: Copy + Default + 'static>(
         &self,
+        world: &SimpleCommunicator,
         op: &str,
         send: &[T],
         recv: &mut [T],
         start: impl FnOnce(&SimpleCommunicator, &'static [T], &'static mut [T]) -> Request<'static, [T], StaticScope>,
     ) -> Result<()> {
-        let world = self.world();
         let s = Leaked::new(send.to_vec());
         let r = Leaked::new(vec![T::default(); recv.len()]);
-        let req = start(&world, &*s.view(), r.view());
+        let req = start(world, &*s.view(), r.view());
         if let Err(e) = self.wait_all(op, vec![req]) {
             s.leak();
             r.leak();
@@ -206,6 +221,141 @@ impl<T: Copy + 'static> Leaked<T> {
     }
 }
 
+/// The collectives, as the header names them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Op {
+    AllReduce = 1,
+    Broadcast,
+    BroadcastBytes,
+    Barrier,
+    ReduceScatter,
+    AllGather,
+}
+
+impl Op {
+    const ALL: [Op; 6] = [
+        Op::AllReduce,
+        Op::Broadcast,
+        Op::BroadcastBytes,
+        Op::Barrier,
+        Op::ReduceScatter,
+        Op::AllGather,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Op::AllReduce => "all_reduce_sum",
+            Op::Broadcast => "broadcast",
+            Op::BroadcastBytes => "broadcast_bytes",
+            Op::Barrier => "barrier",
+            Op::ReduceScatter => "reduce_scatter_sum",
+            Op::AllGather => "all_gather_bytes",
+        }
+    }
+
+    /// The header's code: the collective in the low byte, the root (plus one) above it.
+    fn code(self, root: Option<usize>) -> u64 {
+        self as u64 | (root.map_or(0, |r| r as u64 + 1) << 8)
+    }
+
+    /// What a code says, for messages.
+    fn describe(code: u64) -> String {
+        let op = Op::ALL.iter().find(|o| **o as u64 == code & 0xFF);
+        let name = op.map_or("an unknown collective", |o| o.name());
+        match code >> 8 {
+            0 => format!("`{name}`"),
+            r => format!("`{name}` from rank {}", r - 1),
+        }
+    }
+}
+
+/// A 64-bit FNV-1a hash of the bucket lengths (their count first): ranks whose lists
+/// differ in any length or in how many there are disagree on it.
+fn fingerprint(lens: &[usize]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for n in std::iter::once(lens.len()).chain(lens.iter().copied()) {
+        for b in (n as u64).to_le_bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h
+}
+
+/// Rank order from zero: `0 + block 0 + block 1 + ...` of the `world` blocks of `m` values
+/// in `blocks` (what `LocalGroup` computes for every element).
+fn sum_in_rank_order(blocks: &[f32], m: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; m];
+    for block in blocks.chunks_exact(m) {
+        for (d, x) in out.iter_mut().zip(block) {
+            *d += x;
+        }
+    }
+    out
+}
+
+impl MpiComm {
+    /// The header every collective starts with: agrees, on every rank, that every rank is at
+    /// `op` with the same root and the same `lens` (the bucket lengths; empty where lengths
+    /// may differ), or fails on every rank with [`DistErrorKind::Mismatch`] before any data
+    /// moves. One all-reduce of `x` and `!x` for each of the code, the total length and the
+    /// lengths' fingerprint under max: the ranks agree on `x` exactly when its maximum is
+    /// the complement of the maximum of `!x` (its minimum). Every rank gets the same maxima,
+    /// so every rank reaches the same verdict and the group stays paired.
+    fn agree(&self, world: &SimpleCommunicator, op: Op, root: Option<usize>, lens: &[usize]) -> Result<()> {
+        let code = op.code(root);
+        let total = lens.iter().sum::<usize>() as u64;
+        let fp = fingerprint(lens);
+        let send = Leaked::new(vec![code, !code, total, !total, fp, !fp]);
+        let recv = Leaked::new(vec![0u64; 6]);
+        let req = world.immediate_all_reduce_into(StaticScope, &*send.view(), recv.view(), SystemOperation::max());
+        if let Err(e) = self.wait_all(op.name(), vec![req]) {
+            send.leak();
+            recv.leak();
+            return Err(e);
+        }
+        drop(send.take());
+        let m = recv.take();
+        let range = |i: usize| (!m[2 * i + 1], m[2 * i]);
+        let (codes, totals, fps) = (range(0), range(1), range(2));
+        if codes.0 != codes.1 {
+            let others: Vec<String> = [codes.0, codes.1]
+                .into_iter()
+                .filter(|c| *c != code)
+                .map(Op::describe)
+                .collect();
+            return Err(self.err(
+                DistErrorKind::Mismatch,
+                format!(
+                    "rank {} called {} while another rank called {}: every rank must call the same collectives \
+                     in the same order; nothing was sent",
+                    self.rank,
+                    Op::describe(code),
+                    others.join(" and ")
+                ),
+            ));
+        }
+        if totals.0 != totals.1 || fps.0 != fps.1 {
+            return Err(self.err(
+                DistErrorKind::Mismatch,
+                format!(
+                    "`{}` with {} here, while the ranks pass between {} and {} values in all{}: every rank must \
+                     pass the same lengths; nothing was sent",
+                    op.name(),
+                    describe_lens(lens),
+                    totals.0,
+                    totals.1,
+                    if totals.0 == totals.1 {
+                        " split into different buckets"
+                    } else {
+                        ""
+                    }
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl Communicator for MpiComm {
     fn rank(&self) -> usize {
         self.rank
@@ -223,23 +373,48 @@ impl Communicator for MpiComm {
         self.all_reduce_sum_buckets(&mut [buf])
     }
 
+    /// The header, then for every bucket at once an all-to-all (rank `r` receives block `r`
+    /// of every rank's bucket), the sum of this rank's block in rank order, and an all-gather
+    /// of the sums.
     fn all_reduce_sum_buckets(&self, bufs: &mut [&mut [f32]]) -> Result<()> {
         let world = self.world();
+        let lens: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
+        self.agree(&world, Op::AllReduce, None, &lens)?;
+        let w = self.size;
+        // Padded to whole blocks (the padding's sums are dropped).
+        let block = |n: usize| n.div_ceil(w);
         let mut pairs = Vec::with_capacity(bufs.len());
         let mut reqs = Vec::with_capacity(bufs.len());
-        for b in bufs.iter() {
-            let send = Leaked::new(b.to_vec());
-            let recv = Leaked::new(vec![0f32; b.len()]);
-            reqs.push(world.immediate_all_reduce_into(StaticScope, &*send.view(), recv.view(), SystemOperation::sum()));
+        for b in bufs.iter().filter(|b| !b.is_empty()) {
+            let mut v = b.to_vec();
+            v.resize(block(b.len()) * w, 0.0);
+            let send = Leaked::new(v);
+            let recv = Leaked::new(vec![0f32; block(b.len()) * w]);
+            reqs.push(world.immediate_all_to_all_into(StaticScope, &*send.view(), recv.view()));
             pairs.push((send, recv));
         }
         if let Err(e) = self.wait_all("all_reduce_sum", reqs) {
             pairs.leak();
             return Err(e);
         }
-        for (b, (send, recv)) in bufs.iter_mut().zip(pairs) {
-            b.copy_from_slice(&recv.take());
+        let mut gathers = Vec::with_capacity(pairs.len());
+        let mut reqs = Vec::with_capacity(pairs.len());
+        for (send, recv) in pairs {
             drop(send.take());
+            let blocks = recv.take();
+            let sum = Leaked::new(sum_in_rank_order(&blocks, blocks.len() / w));
+            let all = Leaked::new(blocks);
+            reqs.push(world.immediate_all_gather_into(StaticScope, &*sum.view(), all.view()));
+            gathers.push((sum, all));
+        }
+        if let Err(e) = self.wait_all("all_reduce_sum", reqs) {
+            gathers.leak();
+            return Err(e);
+        }
+        for (b, (sum, all)) in bufs.iter_mut().filter(|b| !b.is_empty()).zip(gathers) {
+            drop(sum.take());
+            let n = b.len();
+            b.copy_from_slice(&all.take()[..n]);
         }
         Ok(())
     }
@@ -247,6 +422,7 @@ impl Communicator for MpiComm {
     fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<()> {
         check_root(self, root)?;
         let world = self.world();
+        self.agree(&world, Op::Broadcast, Some(root), &[buf.len()])?;
         let data = Leaked::new(buf.to_vec());
         let req = world
             .process_at_rank(root as i32)
@@ -262,6 +438,8 @@ impl Communicator for MpiComm {
     fn broadcast_bytes(&self, buf: &mut Vec<u8>, root: usize) -> Result<()> {
         check_root(self, root)?;
         let world = self.world();
+        // The lengths may differ (the root's is sent first); the collective and root may not.
+        self.agree(&world, Op::BroadcastBytes, Some(root), &[])?;
         let len = Leaked::new(vec![buf.len() as u64]);
         let req = world
             .process_at_rank(root as i32)
@@ -285,31 +463,38 @@ impl Communicator for MpiComm {
         Ok(())
     }
 
+    /// The header alone: an all-reduce completes only when every rank has joined it.
     fn barrier(&self) -> Result<()> {
         let world = self.world();
-        let req = world.immediate_barrier();
-        self.wait_all("barrier", vec![req])
+        self.agree(&world, Op::Barrier, None, &[])
     }
 
+    /// The header, an all-to-all of the blocks and the sum of this rank's in rank order: the
+    /// same bits as this rank's block of [`all_reduce_sum`](Communicator::all_reduce_sum) on
+    /// any number of ranks.
     fn reduce_scatter_sum(&self, send: &[f32], recv: &mut [f32]) -> Result<()> {
         check_blocks(self.rank, self.size, "reduce_scatter_sum", send.len(), recv.len())?;
-        // MPI cannot tell ranks with different counts apart (it would hang or mix data).
-        agree_on_len(self, "reduce_scatter_sum", recv.len())?;
+        let world = self.world();
+        self.agree(&world, Op::ReduceScatter, None, &[recv.len()])?;
         if recv.is_empty() {
             return Ok(());
         }
-        self.one_collective("reduce_scatter_sum", send, recv, |world, s, r| {
-            world.immediate_reduce_scatter_block_into(StaticScope, s, r, SystemOperation::sum())
-        })
+        let mut blocks = vec![0f32; send.len()];
+        self.one_collective(&world, "reduce_scatter_sum", send, &mut blocks, |world, s, r| {
+            world.immediate_all_to_all_into(StaticScope, s, r)
+        })?;
+        recv.copy_from_slice(&sum_in_rank_order(&blocks, recv.len()));
+        Ok(())
     }
 
     fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8]) -> Result<()> {
         check_blocks(self.rank, self.size, "all_gather_bytes", recv.len(), send.len())?;
-        agree_on_len(self, "all_gather_bytes", send.len())?;
+        let world = self.world();
+        self.agree(&world, Op::AllGather, None, &[send.len()])?;
         if send.is_empty() {
             return Ok(());
         }
-        self.one_collective("all_gather_bytes", send, recv, |world, s, r| {
+        self.one_collective(&world, "all_gather_bytes", send, recv, |world, s, r| {
             world.immediate_all_gather_into(StaticScope, s, r)
         })
     }

@@ -119,7 +119,9 @@ pub(crate) fn trainable_sizes(store: &ParamStore) -> Vec<(String, usize)> {
 /// blocks (the largest rank's round-`k` bytes; the others padded), so no rank ever receives
 /// more than about `world * cap` bytes at once. This rank's values are read in one transfer
 /// per working type (on a device: one synchronisation each). Returns the reads and the
-/// all-gathers.
+/// all-gathers. A failure before any other rank's weights were written here leaves every
+/// working weight as it was (the optimizer then undoes its own shard's step); one after is
+/// [`DistErrorKind::Diverged`](crate::error::DistErrorKind).
 pub(crate) fn gather_working(
     comm: &dyn Communicator,
     store: &ParamStore,
@@ -166,33 +168,53 @@ pub(crate) fn gather_working(
     let reads = read.len() as u64;
     let mut taken = vec![0usize; by_type.len()];
     let mut gathers = 0;
-    for k in 0..n_rounds {
-        let block = rounds.iter().map(|r| r.get(k).copied().unwrap_or(0)).max().unwrap_or(0);
-        if block == 0 {
-            continue;
+    // Other ranks' parameters written here so far. Before the first, a failure leaves this
+    // rank's working weights as they were (its optimizer then undoes its own shard's step);
+    // after it, the old values are gone (keeping them would cost a copy of every weight),
+    // so the failure is `Diverged`.
+    let mut written = 0usize;
+    let mut rounds_done = || -> Result<()> {
+        for k in 0..n_rounds {
+            let block = rounds.iter().map(|r| r.get(k).copied().unwrap_or(0)).max().unwrap_or(0);
+            if block == 0 {
+                continue;
+            }
+            let mut mine = vec![0u8; block];
+            for (_, _, at, len, p) in entries.iter().filter(|e| e.0 == me && e.1 == k) {
+                let t = by_type
+                    .iter()
+                    .position(|(d, _)| *d == p.working().dtype())
+                    .expect("grouped above");
+                mine[*at..at + len].copy_from_slice(&read[t][taken[t]..taken[t] + len]);
+                taken[t] += len;
+            }
+            let mut all = vec![0u8; block * world];
+            comm.all_gather_bytes(&mine, &mut all)?;
+            gathers += 1;
+            for (r, _, at, len, p) in entries.iter().filter(|e| e.0 != me && e.1 == k) {
+                let from = r * block + at;
+                let w = p.working_var();
+                let t = Tensor::from_raw_buffer(&all[from..from + len], w.dtype(), w.dims(), w.device())?;
+                written += 1;
+                let set = w.set(&t);
+                crate::precision::autocast::invalidate(w.as_tensor());
+                set?;
+            }
         }
-        let mut mine = vec![0u8; block];
-        for (_, _, at, len, p) in entries.iter().filter(|e| e.0 == me && e.1 == k) {
-            let t = by_type
-                .iter()
-                .position(|(d, _)| *d == p.working().dtype())
-                .expect("grouped above");
-            mine[*at..at + len].copy_from_slice(&read[t][taken[t]..taken[t] + len]);
-            taken[t] += len;
-        }
-        let mut all = vec![0u8; block * world];
-        comm.all_gather_bytes(&mine, &mut all)?;
-        gathers += 1;
-        for (r, _, at, len, p) in entries.iter().filter(|e| e.0 != me && e.1 == k) {
-            let from = r * block + at;
-            let w = p.working_var();
-            let t = Tensor::from_raw_buffer(&all[from..from + len], w.dtype(), w.dims(), w.device())?;
-            let written = w.set(&t);
-            crate::precision::autocast::invalidate(w.as_tensor());
-            written?;
-        }
+        Ok(())
+    };
+    match rounds_done() {
+        Ok(()) => Ok((reads, gathers)),
+        Err(e) if written > 0 => Err(AmpError::Distributed {
+            rank: me,
+            kind: crate::error::DistErrorKind::Diverged,
+            detail: format!(
+                "the all-gather of the updated working weights failed after {gathers} of its rounds, with \
+                 {written} of the other ranks' parameters already written here: {e}"
+            ),
+        }),
+        Err(e) => Err(e),
     }
-    Ok((reads, gathers))
 }
 
 /// The stage-2 reduction of the averaged shares in `flat` (laid out in `params`' order,

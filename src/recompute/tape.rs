@@ -434,10 +434,11 @@ impl Recompute {
     /// `guard.backward_with(|l| rc.backward(l))`, or `rc.backward(&scaler.scale(&loss)?)`
     /// with [`GradScaler`](crate::GradScaler).
     pub fn backward(&self, loss: &Tensor) -> candle_core::Result<GradStore> {
-        // Leftovers of a backward whose gradients no stage took are not this loss's.
-        drop(self.run.take_recomputed(None));
-        let mut grads = loss.backward()?;
-        merge_grads(&mut grads, self.run.take_recomputed(None), false)?;
+        // Marked, so that exactly this backward's stashed gradients join its store (a
+        // scaled loss's own marker, inside, names the same backward).
+        let mut grads = crate::precision::stash::mark(loss)?.backward()?;
+        let stashed = self.run.stash().take(&grads, None)?;
+        merge_grads(&mut grads, stashed, false)?;
         Ok(grads)
     }
 }

@@ -73,6 +73,15 @@ pub struct GradScalerState {
 /// Breaking these rules is an [`AmpError::CallOrder`]. Optimizers are told apart by their
 /// process-unique id, so one scaler serves optimizers of several AMP handles.
 ///
+/// Gradients outside the `GradStore` (the run's fused layers and checkpointed segments write
+/// their parameters' f32 gradients aside, see [`crate::nn::Linear`]) follow the same rule as
+/// in [`crate::ScaleLoss`]: they belong to the backward that produced them. The tensor
+/// `scale` returns carries a marker whose gradient the backward's `GradStore` holds, and
+/// only the `accumulate`, `unscale` or `step` call given that `GradStore` applies them,
+/// each to the optimizer that owns the parameter; an optimizer's `zero_grad` drops its own
+/// parameters' gradients that no call took, and no other optimizer's. A backward whose
+/// `GradStore` is dropped unused changes no later step.
+///
 /// ```
 /// use candle_amp::{self as amp, GradScaler};
 /// # fn main() -> anyhow::Result<()> {
@@ -142,12 +151,19 @@ impl GradScaler {
         if self.enabled { self.scale.scale() } else { 1.0 }
     }
 
-    /// The loss, in f32, times the scale (the loss itself when disabled).
+    /// The loss, in f32, times the scale (the loss's values when disabled).
+    ///
+    /// The result carries a marker (an extra `u8` variable whose gradient the returned
+    /// `GradStore` holds): the gradients the run's fused layers and checkpointed segments
+    /// produce outside candle's graph during its backward are filed under it, so the
+    /// `accumulate`, `unscale` or `step` call given that `GradStore` applies them, and no
+    /// other call does (see [`GradScaler`]'s rule on stashed gradients).
     pub fn scale(&self, loss: &Tensor) -> Result<Tensor> {
-        if !self.enabled {
-            return Ok(loss.clone());
-        }
-        Ok(loss.to_dtype(DType::F32)?.affine(self.scale.scale() as f64, 0.0)?)
+        let scaled = match self.enabled {
+            false => loss.clone(),
+            true => loss.to_dtype(DType::F32)?.affine(self.scale.scale() as f64, 0.0)?,
+        };
+        Ok(crate::precision::stash::mark(&scaled)?)
     }
 
     /// Stages 2 to 4 on one backward's gradients, as the guard runs them.
@@ -161,6 +177,8 @@ impl GradScaler {
                 own.insert(&v, g.clone());
             }
         }
+        // With the backward's markers: the stages take the gradients it stashed.
+        crate::precision::stash::copy_markers(grads, &mut own);
         run_stages(
             &run,
             own,

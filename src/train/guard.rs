@@ -68,6 +68,15 @@ pub struct BackwardReport {
 /// [`AmpError::CallOrder`]; dropping it without a backward
 /// leaves everything as it was.
 ///
+/// Gradients outside candle's `GradStore` (the run's fused layers and checkpointed segments
+/// write their parameters' f32 gradients aside) belong to the backward that produced them,
+/// on both APIs: [`loss`](Self::loss) carries a marker whose gradient that backward's
+/// `GradStore` holds, so the guard's backward (or
+/// [`backward_from_grads`](Self::backward_from_grads) given that store) applies exactly
+/// them, each to its owning optimizer. What no call takes waits until the owning
+/// optimizer's [`AmpOptimizer::zero_grad`], which drops it; it never joins another
+/// backward's step.
+///
 /// [`loss`](Self::loss) is the scaled loss (f32), for users who drive backward themselves.
 ///
 /// ```
@@ -132,9 +141,6 @@ impl<'a> ScaleLoss<'a> {
             o.check_can_backward("scale_loss")?;
         }
         let scale = run.loss_scale(loss_id)?;
-        // Stashed gradients of a backward whose gradients no stage took (a plain `backward()`
-        // on the run's model) are not this loss's: its backward comes after this.
-        drop(run.take_recomputed(None));
         // Scale in f32: an f16 loss times 65536 would already be inf.
         let loss32 = loss.to_dtype(DType::F32)?;
         // On the device path the loss is checked on the device, read with the step's flags.
@@ -148,7 +154,9 @@ impl<'a> ScaleLoss<'a> {
             o.record(&loss_name(loss_id), TensorKind::Loss, &loss32, 1.0);
             capture = Some(crate::kernels::capture::Capture::open());
         }
-        let scaled = loss32.affine(scale as f64, 0.0)?;
+        // Marked, so that the gradients the run's layers stash during its backward are this
+        // backward's (`precision::stash`).
+        let scaled = crate::precision::stash::mark(&loss32.affine(scale as f64, 0.0)?)?;
         Ok(Self {
             run,
             optimizers,
@@ -328,8 +336,10 @@ fn stages(
     }
     let owned: Vec<Vec<(String, Var)>> = optimizers.iter_mut().map(|o| o.trained_vars()).collect::<Result<_>>()?;
     let all: Vec<(String, Var)> = owned.iter().flatten().cloned().collect();
-    // Gradients of checkpointed segments, recomputed during this backward (`recompute`).
-    merge_grads(&mut grads, run.take_recomputed(Some(&all)), false)?;
+    // The parameter gradients this backward stashed (checkpointed segments recomputed during
+    // it, the library's layers), taken from the stash only once the stages commit.
+    let backwards = crate::precision::stash::GradStash::backwards_of(&grads);
+    merge_grads(&mut grads, run.stash().peek(&backwards, Some(&all))?, false)?;
     // The complete raw gradients: an overlapping step reducer sends what is still unsent.
     let step_reducer = run.step_reducer();
     if let Some(r) = &step_reducer {
@@ -396,6 +406,7 @@ fn stages(
     if let Some(r) = &step_reducer {
         r.end_backward(true);
     }
+    run.stash().consume(&backwards, Some(&all));
     nonfinite.sort();
     nonfinite.dedup();
     for ((opt, u), p) in optimizers.iter_mut().zip(per_opt).zip(pending) {

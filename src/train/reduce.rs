@@ -48,6 +48,13 @@ pub trait StepReducer: Send + Sync {
     /// parameters of [`StepGrads::params`]: a reducer that left each process only a shard
     /// of the gradients brings every process's working weights up to date here (ZeRO's
     /// all-gather). The default does nothing.
+    ///
+    /// When [`shard_rank`](Self::shard_rank) is `Some`, an error here undoes the step: the
+    /// optimizer writes back what it overwrote (masters, working copies, optimizer state)
+    /// and counts nothing, so this method must leave every weight it did not write as it
+    /// was. One that had already written other processes' weights returns
+    /// [`AmpError::Distributed`] of kind [`DistErrorKind::Diverged`] instead: the run then
+    /// refuses every later step.
     fn after_step(&self, params: &[(String, Vec<usize>)]) -> Result<()> {
         let _ = params;
         Ok(())

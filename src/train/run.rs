@@ -7,7 +7,6 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use candle_core::Var;
 use candle_core::backprop::GradStore;
 
 use super::reduce::{GradReducer, StepReducer};
@@ -45,11 +44,29 @@ pub(crate) struct RunState {
     force_device_path: bool,
     /// Host reads of device values on the step path (the device path's synchronisations).
     host_syncs: std::sync::atomic::AtomicU64,
+    /// Set when a sharded step failed part-way in a way it could not undo (the rank and
+    /// why): the weights mix two steps, so every later step is refused.
+    diverged: Mutex<Option<(usize, String)>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A poisoned lock means a panic elsewhere; the data is still consistent per entry.
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// What a diverged run's errors tell the user to do.
+const RESUME: &str = "start a new run (Amp, model, optimizers and communicator) and resume it from the last checkpoint";
+
+/// The error that refuses `call` on a diverged run.
+fn diverged_error(rank: usize, why: &str, call: &str) -> AmpError {
+    AmpError::Distributed {
+        rank,
+        kind: crate::error::DistErrorKind::Diverged,
+        detail: format!(
+            "{call} is refused: an earlier sharded step failed part-way and could not be undone ({why}), so \
+             this rank's weights mix two steps; {RESUME}"
+        ),
+    }
 }
 
 impl RunState {
@@ -72,6 +89,7 @@ impl RunState {
             unused_checked: std::sync::atomic::AtomicBool::new(false),
             force_device_path: false,
             host_syncs: std::sync::atomic::AtomicU64::new(0),
+            diverged: Mutex::new(None),
         }
     }
 
@@ -119,12 +137,6 @@ impl RunState {
         self.stash().stash(grads)
     }
 
-    /// Takes the waiting stashed gradients of `vars` (all of them with `None`): those of
-    /// recomputed segments and of the library's layers.
-    pub(crate) fn take_recomputed(&self, vars: Option<&[(String, Var)]>) -> GradStore {
-        self.stash().take(vars)
-    }
-
     pub(crate) fn scalers_mut(&self) -> MutexGuard<'_, Vec<ScalerSlot>> {
         lock(&self.scalers)
     }
@@ -161,6 +173,29 @@ impl RunState {
                      every rank, which writes each rank's shard"
                 ),
             }),
+        }
+    }
+
+    /// Marks the run as diverged ([`DistErrorKind::Diverged`](crate::error::DistErrorKind)):
+    /// rank `rank`'s state mixes two steps, for the reason `why` (the first reason is kept
+    /// for the later refusals). Returns the error for the call that failed.
+    pub(crate) fn set_diverged(&self, rank: usize, why: String) -> AmpError {
+        let detail =
+            format!("{why}; this rank's weights now mix two steps, and the run refuses every later step: {RESUME}");
+        lock(&self.diverged).get_or_insert((rank, why));
+        AmpError::Distributed {
+            rank,
+            kind: crate::error::DistErrorKind::Diverged,
+            detail,
+        }
+    }
+
+    /// Refuses `call` once the run has diverged: its weights mix two steps, so whatever it
+    /// computed, applied or saved from here would be wrong.
+    pub(crate) fn check_not_diverged(&self, call: &str) -> Result<()> {
+        match &*lock(&self.diverged) {
+            None => Ok(()),
+            Some((rank, why)) => Err(diverged_error(*rank, why, call)),
         }
     }
 

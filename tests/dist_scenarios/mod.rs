@@ -15,6 +15,8 @@ use candle_nn::{ModuleT, VarBuilder};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+pub mod disagree;
+
 pub const B: usize = 8;
 pub const STEPS: usize = 20;
 /// The step at which rank 1's shard (and so the full batch) holds an inf.
@@ -206,7 +208,7 @@ pub fn train_with(
     let ddp = comm.map(|c| {
         let d = DataParallel::sharded(&amp, c, DataParallelConfig { bucket_bytes: 256 }, extras.sharding).unwrap();
         if with_bn {
-            d.sync_batch_norm(&amp, true);
+            d.sync_batch_norm(&amp, true).unwrap();
         }
         if extras.overlap {
             d.set_overlap(&amp, true).unwrap();

@@ -48,7 +48,26 @@ impl DataParallel {
 
         // The first collective returns once the slowest rank has called it: the waiting.
         let t0 = Instant::now();
-        self.comm.all_reduce_sum(&mut meta)?;
+        // Its length is the parameter count plus the flags: ranks that step over different
+        // parameters (one built on some ranks only) or at different points (one rank in a
+        // step while another's buckets are on their way) meet here with different lengths,
+        // which the communicator refuses before anything is summed.
+        self.comm.all_reduce_sum(&mut meta).map_err(|e| match e {
+            crate::AmpError::Distributed {
+                rank,
+                kind: DistErrorKind::Mismatch,
+                detail,
+            } => self.err(
+                DistErrorKind::Mismatch,
+                format!(
+                    "the step's agreement on rank {rank} over {} parameter(s) met another collective or another \
+                     parameter count ({detail}): every rank must step the same optimizers over the same \
+                     parameters, in the same backwards (no_sync on every rank or none)",
+                    params.len()
+                ),
+            ),
+            e => e,
+        })?;
         let wait_s = t0.elapsed().as_secs_f64();
         // The layout is checked before any gradient moves: ranks that disagree would
         // otherwise pair up buckets of different lengths.

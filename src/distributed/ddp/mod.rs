@@ -331,7 +331,31 @@ impl DataParallel {
     /// in the backward), so only per-channel vectors travel; over a communicator without a
     /// device reduction (MPI, `LocalGroup`) each of those sums is one host read, counted in
     /// [`Amp::host_syncs`].
-    pub fn sync_batch_norm(&self, amp: &Amp, on: bool) {
+    ///
+    /// Collective: call it on every rank with the same `on`. Ranks that disagree all fail
+    /// with [`DistErrorKind::Mismatch`] naming `sync_batch_norm`, and nothing changes (a rank
+    /// that synchronised alone would wait in its forward for sums the others never make).
+    pub fn sync_batch_norm(&self, amp: &Amp, on: bool) -> Result<()> {
+        let mut agree = [if on { 1.0f32 } else { 0.0 }];
+        self.collective_comm().all_reduce_sum(&mut agree)?;
+        let world = self.comm.world_size() as f32;
+        if agree[0] != 0.0 && agree[0] != world {
+            return Err(self.err(
+                DistErrorKind::Mismatch,
+                format!(
+                    "`sync_batch_norm({on})` here but {} of {world} ranks switched it on: call it on every rank \
+                     with the same value",
+                    agree[0]
+                ),
+            ));
+        }
+        self.install_sync_bn(amp, on);
+        Ok(())
+    }
+
+    /// Installs (or removes) synchronised batch norm's group on `amp`'s run, after the ranks
+    /// agreed on `on` (or again when overlap changes which communicator the group uses).
+    pub(super) fn install_sync_bn(&self, amp: &Amp, on: bool) {
         self.sync_bn.store(on, std::sync::atomic::Ordering::SeqCst);
         // Its sums in the backward keep their place among the buckets only if the buckets
         // wait for the flush (readiness may differ between ranks).

@@ -123,7 +123,7 @@ impl DataParallel {
         }
         drop(slot);
         if self.sync_bn.load(std::sync::atomic::Ordering::SeqCst) {
-            self.sync_batch_norm(amp, true);
+            self.install_sync_bn(amp, true);
         }
         Ok(())
     }

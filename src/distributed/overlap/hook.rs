@@ -1,5 +1,6 @@
 //! The hook on the run's gradient stash: each piece of gradient a library layer adds during
-//! candle's backward, counted (learning) or written into its bucket (armed).
+//! candle's backward, counted (learning) or written into its bucket (armed); and, when an
+//! armed backward starts, the shares of the parameters this rank's backward never reaches.
 
 use std::sync::atomic::Ordering;
 
@@ -65,5 +66,35 @@ impl Overlap {
         if let Err(e) = out {
             st.error.get_or_insert(e);
         }
+    }
+
+    /// An armed backward's start: writes the share of every parameter this rank's backward
+    /// gives no gradient (learned), and sends the buckets that completes (unless they wait
+    /// for the flush), so a rank whose graph lacks a parameter of an early bucket still
+    /// overlaps. A gradient that arrives for one of them after all makes the plan stale (the
+    /// step then reduces as without overlap and the order is learned again).
+    pub(super) fn write_absent(&self, st: &mut State) {
+        if !matches!(st.mode, Mode::Armed(_)) {
+            return;
+        }
+        let Mode::Armed(mut a) = std::mem::take(&mut st.mode) else {
+            unreachable!("matched Armed")
+        };
+        let plan = st.plan.as_ref().expect("armed with a plan");
+        let absent: Vec<usize> = (0..plan.entries.len()).filter(|&i| plan.entries[i].absent).collect();
+        for i in absent {
+            let plan = st.plan.as_ref().expect("armed with a plan");
+            if let Err(e) = write(plan, &mut st.bufs, &mut a, i, None, self.world as f32) {
+                st.error.get_or_insert(e);
+            }
+        }
+        if !self.hold.load(Ordering::SeqCst) && st.error.is_none() {
+            let (out, sent) = self.send(st, &mut a, true);
+            st.early += sent;
+            if let Err(e) = out {
+                st.error.get_or_insert(e);
+            }
+        }
+        st.mode = Mode::Armed(a);
     }
 }

@@ -10,11 +10,14 @@
 //! before the step was an overlapped one, and nothing arrived after its bucket left), uses
 //! them instead of sending the gradients again.
 //!
-//! How many pieces each parameter gets, and in which order they become complete, is learned
-//! from the first backward (which is reduced at the step as without overlap) and sent from
-//! rank 0 to the others ([`plan`]), so every rank has the same buckets. A backward that does
-//! not match the plan (a piece after its bucket left: the graph changed) is not used: the
-//! step reduces as without overlap, on every rank, and the plan is learned again.
+//! In which order the parameters become complete is learned from the first backward (which
+//! is reduced at the step as without overlap) and sent from rank 0 to the others ([`plan`]),
+//! so every rank has the same buckets; how many pieces each parameter gets, and which get
+//! none at all (written when the backward starts), each rank learns from its own backward,
+//! so a rank whose graph differs from rank 0's (a head only rank 0 uses) still sends its
+//! buckets early. A backward that does not match the plan (a piece after its bucket left:
+//! the graph changed) is not used: the step reduces as without overlap, on every rank, and
+//! the plan is learned again.
 //!
 //! Buckets always leave in plan order, every bucket once per overlapped backward, so every
 //! rank hands the thread the same collectives in the same order. Each bucket carries a
@@ -111,6 +114,9 @@ struct Learning {
     last: Vec<u64>,
     /// The last sum the hook saw per parameter.
     sums: Vec<Option<TensorId>>,
+    /// Per parameter: whether the backward gave it any gradient (set at the flush; a
+    /// parameter the flush does not list counts as present, so it is never written early).
+    present: Vec<bool>,
     events: u64,
     flushed: bool,
 }
@@ -221,7 +227,7 @@ impl Overlap {
             st.bufs.clear();
             st.sent.clear();
         }
-        st.mode = match &st.plan {
+        let mode = match &st.plan {
             Some(plan) => {
                 let n = plan.entries.len();
                 let mut index = HashMap::with_capacity(n);
@@ -258,10 +264,13 @@ impl Overlap {
                 counts: vec![0; start.params.len()],
                 last: vec![0; start.params.len()],
                 sums: vec![None; start.params.len()],
+                present: vec![true; start.params.len()],
                 events: 0,
                 flushed: false,
             }),
         };
+        st.mode = mode;
+        self.write_absent(&mut st);
         Ok(())
     }
 
@@ -288,10 +297,12 @@ impl Overlap {
                 // library layer and by raw tensor maths) is complete only when candle's
                 // backward returns: planned as candle's.
                 for (name, var) in params {
-                    if let Some(i) = l.params.iter().position(|(n, _)| n == name)
-                        && l.counts[i] > 0
-                        && grads.get(var.as_tensor()).map(|t| t.id()) != l.sums[i]
-                    {
+                    let Some(i) = l.params.iter().position(|(n, _)| n == name) else {
+                        continue;
+                    };
+                    let raw = grads.get(var.as_tensor());
+                    l.present[i] = l.counts[i] > 0 || raw.is_some();
+                    if l.counts[i] > 0 && raw.map(|t| t.id()) != l.sums[i] {
                         l.counts[i] = 0;
                     }
                 }
@@ -367,7 +378,7 @@ impl Overlap {
             Mode::Learning(l) => {
                 st.valid = false;
                 if committed && l.flushed {
-                    st.learned = Some(plan::observed_order(&l.params, &l.counts, &l.last));
+                    st.learned = Some(plan::observed_order(&l.params, &l.counts, &l.last, &l.present));
                 }
             }
             // A backward that sent nothing changed the master gradients (or failed): the
@@ -455,7 +466,9 @@ impl Overlap {
                     .into(),
             });
         }
-        let plan = Plan::new(order.expect("checked"), self.caps.0, self.caps.1);
+        let mut plan = Plan::new(order.expect("checked"), self.caps.0, self.caps.1);
+        // Rank 0's order and sizes make the buckets; which pieces arrive is this rank's own.
+        plan.localize(&learned);
         st.bufs = plan.buckets.iter().map(|b| Some(vec![0.0; b.len + HEADER])).collect();
         st.sent = vec![0.0; plan.buckets.len()];
         log::debug!(

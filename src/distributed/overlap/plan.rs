@@ -10,11 +10,21 @@ use serde::{Deserialize, Serialize};
 /// One parameter of the plan: its name, how many pieces of gradient reach it during the
 /// backward through the library's layers (0: it is ready only when candle's backward
 /// returns), and its size in values.
+///
+/// The order and sizes are rank 0's, the same everywhere (they make the buckets); `count`
+/// and `absent` are this rank's own, from its own learning backward (a rank whose graph
+/// differs, e.g. a head only rank 0 uses, waits for the pieces it really gets, not rank
+/// 0's).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct Entry {
     pub name: String,
     pub count: usize,
     pub size: usize,
+    /// This rank's backward gave it no gradient at all: its share (the master gradient so
+    /// far, or zeros) is written when the backward starts, so its bucket need not wait for
+    /// the end of the backward. Never sent: each rank learns its own.
+    #[serde(skip)]
+    pub absent: bool,
 }
 
 /// One bucket: a run of the plan's parameters, summed in one collective.
@@ -78,6 +88,18 @@ impl Plan {
         self.by_name.get(name).copied()
     }
 
+    /// Takes this rank's own `count` and `absent` from `mine` (its learned order), by name;
+    /// entries it has not learned keep rank 0's count.
+    pub(crate) fn localize(&mut self, mine: &[Entry]) {
+        let by_name: HashMap<&str, &Entry> = mine.iter().map(|e| (e.name.as_str(), e)).collect();
+        for e in &mut self.entries {
+            if let Some(m) = by_name.get(e.name.as_str()) {
+                e.count = m.count;
+                e.absent = m.absent;
+            }
+        }
+    }
+
     /// Whether the plan covers exactly the parameters `names` (any order).
     pub(crate) fn covers_exactly<'a>(&self, names: impl ExactSizeIterator<Item = &'a str>) -> bool {
         let n = names.len();
@@ -121,8 +143,14 @@ impl Plan {
 
 /// The plan's order from one observed backward: the parameters whose gradients arrived
 /// piece by piece, in the order of their last piece (when they became complete), then the
-/// others (ready when candle's backward returns) in reverse name order.
-pub(crate) fn observed_order(params: &[(String, usize)], counts: &[usize], last: &[u64]) -> Vec<Entry> {
+/// others (ready when candle's backward returns) in reverse name order. `present`: whether
+/// each got any gradient at all.
+pub(crate) fn observed_order(
+    params: &[(String, usize)],
+    counts: &[usize],
+    last: &[u64],
+    present: &[bool],
+) -> Vec<Entry> {
     let mut seen: Vec<usize> = (0..params.len()).filter(|&i| counts[i] > 0).collect();
     seen.sort_by_key(|&i| last[i]);
     let mut rest: Vec<usize> = (0..params.len()).filter(|&i| counts[i] == 0).collect();
@@ -133,6 +161,7 @@ pub(crate) fn observed_order(params: &[(String, usize)], counts: &[usize], last:
             name: params[i].0.clone(),
             count: counts[i],
             size: params[i].1,
+            absent: counts[i] == 0 && !present[i],
         })
         .collect()
 }
@@ -146,6 +175,7 @@ mod tests {
             name: name.into(),
             count,
             size,
+            absent: false,
         }
     }
 
@@ -168,11 +198,24 @@ mod tests {
     #[test]
     fn the_observed_order_puts_candles_own_parameters_last() {
         let params = vec![("a".to_string(), 1), ("b".into(), 2), ("c".into(), 3), ("d".into(), 4)];
-        let order = observed_order(&params, &[1, 0, 2, 0], &[9, 0, 4, 0]);
+        let order = observed_order(&params, &[1, 0, 2, 0], &[9, 0, 4, 0], &[true, true, true, false]);
         let names: Vec<_> = order.iter().map(|e| e.name.as_str()).collect();
         assert_eq!(names, ["c", "a", "d", "b"]);
+        let absent: Vec<_> = order.iter().map(|e| e.absent).collect();
+        assert_eq!(absent, [false, false, true, false]);
+        // What a rank learned of its own stays its own: not sent.
         let back = Plan::decode(&Plan::encode(&order)).unwrap();
-        assert_eq!(back, order);
+        assert!(back.iter().all(|e| !e.absent));
+        let mut plan = Plan::new(back, 4, 12);
+        plan.localize(&[
+            e("d", 0, 4),
+            Entry {
+                absent: true,
+                ..e("b", 0, 2)
+            },
+        ]);
+        let local: Vec<_> = plan.entries.iter().map(|e| (e.count, e.absent)).collect();
+        assert_eq!(local, [(2, false), (1, false), (0, false), (0, true)]);
         assert!(Plan::decode(b"not a plan").is_none());
     }
 

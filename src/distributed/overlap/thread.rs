@@ -182,6 +182,22 @@ impl Communicator for Serial {
         Ok(())
     }
 
+    /// All the buckets in one call on the thread, so the backend sees them as one
+    /// collective (its length check covers every bucket), as without the thread.
+    fn all_reduce_sum_buckets(&self, bufs: &mut [&mut [f32]]) -> Result<()> {
+        let mut vs: Vec<Vec<f32>> = bufs.iter().map(|b| b.to_vec()).collect();
+        vs = self.0.call(move |c| {
+            let mut views: Vec<&mut [f32]> = vs.iter_mut().map(|v| v.as_mut_slice()).collect();
+            let r = c.all_reduce_sum_buckets(&mut views);
+            drop(views);
+            r.map(|_| vs)
+        })?;
+        for (b, v) in bufs.iter_mut().zip(vs) {
+            b.copy_from_slice(&v);
+        }
+        Ok(())
+    }
+
     fn all_reduce_sum_tensor(&self, t: &Tensor) -> Result<Tensor> {
         let t = t.clone();
         self.0.call(move |c| c.all_reduce_sum_tensor(&t))

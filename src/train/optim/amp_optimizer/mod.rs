@@ -3,12 +3,14 @@
 //!
 //! The type and its bookkeeping live here; the backward stages in `backward`, the step in
 //! `step`, the device path (state and overflow flags kept on the parameters' device, one
-//! host read per step) in `device`, the saved state in `saved`.
+//! host read per step) in `device`, the saved state in `saved`, the undoing of a sharded
+//! step whose all-gather failed in `undo`.
 
 mod backward;
 mod device;
 mod saved;
 mod step;
+mod undo;
 
 pub(crate) use device::{
     Pending, flag as device_flag, read_flags as read_device_flags, read_values as read_device_values,

@@ -2,28 +2,29 @@
 
 use candle_core::{DType, Tensor, Var};
 
+use super::undo::Undo;
 use super::{AmpOptimizer, Round, Stage, StepOutcome};
-use crate::error::{AmpError, CallOrderKind, Result};
+use crate::error::{AmpError, CallOrderKind, DistErrorKind, Result};
 use crate::train::optim::{GroupHyper, ParamUpdate};
 
 impl AmpOptimizer {
     /// Applies the master gradients, or records a skip, without any loss-scaler bookkeeping
     /// (the PyTorch-style [`crate::GradScaler`] owns its scale). All or nothing: on an error
-    /// nothing was applied and the gradients stay for a retry.
+    /// nothing was applied (on a sharded run the all-gather of the weights included, see
+    /// [`apply_and_share`](Self::apply_and_share)) and the gradients stay for a retry.
     pub(crate) fn step_external(&mut self, skip: bool) -> Result<()> {
+        self.run.check_not_diverged("GradScaler::step")?;
         if skip {
             self.skipped += 1;
         } else {
-            let applied = self.stage == Stage::HasGrads;
-            if applied {
-                self.apply()?;
-            }
+            let unshared = if self.stage == Stage::HasGrads {
+                self.apply_and_share()?
+            } else {
+                None
+            };
             self.steps += 1;
             self.clear_grads();
-            if applied {
-                self.after_step()?;
-            }
-            return Ok(());
+            return unshared.map_or(Ok(()), Err);
         }
         self.clear_grads();
         Ok(())
@@ -33,6 +34,7 @@ impl AmpOptimizer {
     /// first of `step`, `clip_grad_norm` and `GradScaler::unscale` does it. Every process
     /// then holds the same gradients and the same overflow flags. Nothing changes on an error.
     pub(crate) fn reduce_step(&mut self) -> Result<()> {
+        self.run.check_not_diverged("GradScaler::unscale")?;
         // The device path's flags first: the reducer combines host flags.
         self.resolve_flags()?;
         if self.reduced || self.stage != Stage::HasGrads {
@@ -132,6 +134,7 @@ impl AmpOptimizer {
     /// path nothing is read on the host (the clipping coefficient is computed and applied
     /// on the device). The same errors as `clip_grad_norm`.
     pub fn clip_grad_norm_tensor(&mut self, max_norm: f64) -> Result<Tensor> {
+        self.run.check_not_diverged("AmpOptimizer::clip_grad_norm")?;
         if !(max_norm.is_finite() && max_norm >= 0.0) {
             return Err(AmpError::InvalidArgument {
                 argument: "max_norm",
@@ -212,7 +215,15 @@ impl AmpOptimizer {
     /// once. After `max_consecutive_skips` skips in a row returns
     /// [`AmpError::PersistentOverflow`] naming the parameters with non-finite gradients (the
     /// weights are still untouched).
+    ///
+    /// All or nothing: on an error nothing was applied, no scaler and no counter changed, and
+    /// the gradients stay for a retry. On a ZeRO-sharded run this includes the all-gather of
+    /// the updated weights: if it fails (another rank stopped), this rank's shard is put back
+    /// as it was. Only when it fails after some of the other ranks' weights were written here
+    /// does the step return [`DistErrorKind::Diverged`](crate::error::DistErrorKind), and the
+    /// run then refuses every later step: resume from the last checkpoint.
     pub fn step(&mut self) -> Result<StepOutcome> {
+        self.run.check_not_diverged("AmpOptimizer::step")?;
         match self.stage {
             Stage::HasGrads => {}
             Stage::Clean => {
@@ -232,9 +243,9 @@ impl AmpOptimizer {
         }
         self.reduce_step()?;
         let overflow = self.found_inf();
-        if !overflow {
-            self.apply()?;
-        }
+        // Shared with the other ranks before anything is reported or counted, so that a
+        // failure leaves the scalers and counters as they were.
+        let unshared = if overflow { None } else { self.apply_and_share()? };
         self.stage = Stage::Stepped;
         // Report the scaler that overflowed (or the first one used).
         let loss_id = |r: &Round| match r {
@@ -263,10 +274,7 @@ impl AmpOptimizer {
         if !overflow {
             self.steps += 1;
             self.consecutive_skips = 0;
-            // The step is taken (and counted) here; a failure to share it with the other
-            // ranks below is an error of the group (the other ranks get it too).
-            self.after_step()?;
-            return Ok(StepOutcome::Stepped { loss_scale: scale });
+            return unshared.map_or(Ok(StepOutcome::Stepped { loss_scale: scale }), Err);
         }
         self.skipped = self.skipped.saturating_add(1);
         self.consecutive_skips = self.consecutive_skips.saturating_add(1);
@@ -289,13 +297,46 @@ impl AmpOptimizer {
         })
     }
 
-    /// Lets the run's step reducer share an applied step with the other ranks (a sharded
-    /// run all-gathers the updated working weights there).
-    fn after_step(&self) -> Result<()> {
-        let Some(reducer) = self.run.step_reducer() else {
-            return Ok(());
+    /// Applies the master gradients and lets the run's step reducer share them with the other
+    /// ranks (a sharded run all-gathers the updated working weights there), all or nothing.
+    /// On a sharded run the step keeps a copy of what it overwrites (this rank's shard: its
+    /// masters, working copies and optimizer state) until the gather has succeeded, and
+    /// writes it back if the gather fails. A failure that cannot be undone (the gather had
+    /// written other ranks' weights, or the copy could not be written back) marks the run
+    /// diverged: this and every later step return [`DistErrorKind::Diverged`].
+    ///
+    /// `Ok(Some(e))`: a reducer that does not shard failed in its `after_step` with `e`
+    /// after the step was applied; there is nothing of ours to undo, so the step counts as
+    /// taken (a retry must not apply it again) and the caller returns `e` once it is counted.
+    fn apply_and_share(&mut self) -> Result<Option<AmpError>> {
+        let reducer = self.run.step_reducer();
+        let shard = reducer.as_ref().and_then(|r| r.shard_rank());
+        let undo = self.apply(shard.is_some())?;
+        let Some(reducer) = reducer else {
+            return Ok(None);
         };
-        reducer.after_step(&self.step_params())
+        let Err(e) = reducer.after_step(&self.step_params()) else {
+            return Ok(None);
+        };
+        let (Some(rank), Some(undo)) = (shard, undo) else {
+            return Ok(Some(e));
+        };
+        let restored = undo.restore(&mut *self.algo);
+        match (e, restored) {
+            (
+                AmpError::Distributed {
+                    kind: DistErrorKind::Diverged,
+                    detail,
+                    ..
+                },
+                _,
+            ) => Err(self.run.set_diverged(rank, detail)),
+            (e, Err(r)) => Err(self.run.set_diverged(
+                rank,
+                format!("the all-gather of the updated weights failed ({e}), and undoing this rank's step failed: {r}"),
+            )),
+            (e, Ok(())) => Err(e),
+        }
     }
 
     /// The parameters the step reducer is told about (`StepGrads::params`): every one this
@@ -313,8 +354,8 @@ impl AmpOptimizer {
     /// Applies the master gradients through the algorithm, all or nothing: the algorithm
     /// writes nothing unless every update succeeded (see [`Optimizer::step`]), and on an
     /// error its state is restored from a snapshot taken before, so a retried step applies
-    /// exactly once.
-    fn apply(&mut self) -> Result<()> {
+    /// exactly once. With `keep`, returns what undoes the applied step (see [`Undo`]).
+    fn apply(&mut self, keep: bool) -> Result<Option<Undo>> {
         // The device path forced on the CPU: the algorithms take their tensor-op path (what
         // they run off the CPU), not the fused CPU passes; also when asked whether they read
         // f32 copies.
@@ -374,9 +415,14 @@ impl AmpOptimizer {
             items = build(true)?;
         }
         let updates = view(&items);
+        let undo = if keep {
+            Some(Undo::take(&updates, &*self.algo)?)
+        } else {
+            None
+        };
         // An algorithm that cannot report its state (candle's, through the adapter) cannot be
-        // rolled back; its own step says how far it is atomic.
-        let snapshot = self.algo.step_snapshot(&updates);
+        // rolled back; its own step says how far it is atomic. The undo's copy serves too.
+        let snapshot = if keep { None } else { self.algo.step_snapshot(&updates) };
         let stepped = self.algo.step(&updates);
         // Whatever the algorithm (ours bump their own writes; a user's or candle's does not
         // know of the cast cache), no cast of a value from before this step is served again.
@@ -387,10 +433,11 @@ impl AmpOptimizer {
             }
         }
         match stepped {
-            Ok(()) => Ok(()),
+            Ok(()) => Ok(undo),
             Err(e) => {
+                let snapshot = snapshot.as_ref().or(undo.as_ref().and_then(|u| u.state.as_ref()));
                 if let Some(snapshot) = snapshot
-                    && let Err(r) = self.algo.load_state_dict(&snapshot)
+                    && let Err(r) = self.algo.load_state_dict(snapshot)
                 {
                     log::error!("could not restore the optimizer state after a failed step: {r}");
                 }
@@ -404,9 +451,18 @@ impl AmpOptimizer {
     /// (PyTorch's `zero_grad(set_to_none=False)` without the zero fill: a first gradient
     /// overwrites, later ones add), so a step allocates no parameter-sized memory of ours.
     /// [`zero_grad_set_to_none`](Self::zero_grad_set_to_none) frees them instead.
+    ///
+    /// It also drops the gradients of this optimizer's parameters that the run's fused
+    /// layers and checkpointed segments produced in earlier backwards and no call has taken
+    /// (a backward that also reached this optimizer's parameters, such as a GAN generator's
+    /// through the discriminator), and only those: other optimizers' are theirs to drop.
     pub fn zero_grad(&mut self) {
         self.withdraw_all();
         self.clear_grads();
+        let owned = self.owned();
+        self.run
+            .stash()
+            .clear(owned.iter().map(|(_, p)| p.working_var().as_tensor()));
     }
 
     /// [`zero_grad`](Self::zero_grad) that also frees the master-gradient buffers
