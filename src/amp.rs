@@ -109,6 +109,8 @@ impl Amp {
     pub fn new(config: impl Into<AmpConfig>, device: &Device) -> Result<Self> {
         let config = config.into();
         let props = config.resolve()?;
+        // Freed device memory stays in the pool between steps (`kernels::cuda::pool`).
+        crate::kernels::cuda::pool::keep_freed_memory(device)?;
         let store = ParamStore::new(props.store_policy(), props.seed, device);
         Ok(Self {
             run: Arc::new(RunState::new(props, store).with_device_path(config.forces_device_path())),
@@ -412,7 +414,8 @@ impl Amp {
 
     /// Whether this run takes the device path: master gradients, optimizer state and
     /// overflow flags kept on the parameters' device as tensors, the overflow verdict read on
-    /// the host once per optimizer step. Always off the CPU; on the CPU when forced
+    /// the host once per backward (one host read per step with one backward; the step itself
+    /// reads nothing more). Always off the CPU; on the CPU when forced
     /// ([`AmpConfig::device_path`], `CANDLE_AMP_FORCE_DEVICE_PATH=1`).
     pub fn device_path(&self) -> bool {
         self.run.device_path()
@@ -420,10 +423,11 @@ impl Amp {
 
     /// How many times this run's step path has read device values on the host (each a
     /// synchronisation with the device's queue), counted on the device path only: one per
-    /// optimizer step (the step's overflow flags), plus one for each
-    /// [`AmpOptimizer::clip_grad_norm`] (its returned norm), [`AmpOptimizer::found_inf`]
-    /// before the step, a step reducer's output check, and a backward under a
-    /// [`crate::GradReducer`] (which needs the flag at once), and one per step an attached
+    /// backward through [`Amp::scale_loss`] or [`crate::GradScaler`] (its overflow flags, so
+    /// its report is the verdict; the step reuses them and reads nothing more: one read per
+    /// step with one backward, k with k micro-batches), plus one for each
+    /// [`AmpOptimizer::clip_grad_norm`] (its returned norm), a step reducer's output check,
+    /// and one per step an attached
     /// [`crate::doctor::Doctor`] observes (all its statistics together). The CPU path reads nothing
     /// from a device, so it counts 0.
     ///
@@ -458,7 +462,7 @@ impl Amp {
     ///     opt.zero_grad();
     /// }
     /// assert!(amp.device_path());
-    /// assert_eq!(amp.host_syncs(), 3); // one per step
+    /// assert_eq!(amp.host_syncs(), 3); // one per backward: one per step here
     /// # Ok(()) }
     /// ```
     pub fn host_syncs(&self) -> u64 {

@@ -165,6 +165,10 @@ pub enum DistErrorKind {
     Timeout,
     /// The communication backend failed (or the group failed earlier).
     Backend,
+    /// Another rank of a `LocalGroup` panicked before a collective it was part of: the
+    /// collective can never complete, so it fails at once instead of waiting out the
+    /// timeout.
+    PeerFailed,
     /// The program was not started by a launcher (`mpirun`).
     NotLaunched,
     /// The call needs the whole f32 master weights or optimizer state, which a rank of a
@@ -183,6 +187,7 @@ impl std::fmt::Display for DistErrorKind {
             DistErrorKind::Mismatch => "ranks disagree",
             DistErrorKind::Timeout => "timed out",
             DistErrorKind::Backend => "backend error",
+            DistErrorKind::PeerFailed => "another rank panicked",
             DistErrorKind::NotLaunched => "not launched",
             DistErrorKind::Sharded => "state is sharded",
             DistErrorKind::Diverged => "ranks diverged; resume from the last checkpoint",

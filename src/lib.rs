@@ -73,6 +73,7 @@ mod train;
 
 pub use amp::{Amp, AmpState, LoadReport, initialize, initialize_on};
 pub use error::{AmpError, CallOrderKind, CheckpointErrorKind, DistErrorKind, Result};
+pub use kernels::cuda::pool::empty_cache;
 pub use precision::model::AmpModel;
 pub use precision::opt_level::{AmpConfig, HalfType, OptLevel, Properties};
 pub use precision::store::{LoadMode, Param, ParamKind, ParamStore};

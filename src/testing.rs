@@ -50,3 +50,29 @@ pub fn linear_backward_both_ways(
 pub fn waiting_backwards(amp: &Amp) -> usize {
     amp.run.stash().waiting_backwards()
 }
+
+/// The launch the CUDA softmax kernels (`src/kernels/cuda/softmax.cu`) get for `rows` rows of
+/// `cols` values, `input` in and `out` out: `(kernel name, grid, block)`, or `None` where the
+/// composed ops run instead. The tests run the same plan on the CPU grid emulator.
+pub fn cuda_softmax_launch(
+    backward: bool,
+    rows: usize,
+    cols: usize,
+    input: candle_core::DType,
+    out: candle_core::DType,
+) -> Option<(String, u32, u32)> {
+    use crate::kernels::cuda::softmax::{Pass, plan};
+    let pass = if backward { Pass::Backward } else { Pass::Forward };
+    plan(pass, rows, cols, input, out).map(|l| (l.kernel, l.grid, l.block))
+}
+
+/// Whether the CUDA softmax kernels are compiled and loaded on `device` (compiling and loading
+/// them if not yet): false off CUDA, without the `cuda` feature, or where they failed to load.
+pub fn cuda_softmax_loaded(device: &candle_core::Device) -> bool {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        return crate::kernels::cuda::softmax::available(d);
+    }
+    let _ = device;
+    false
+}

@@ -4,9 +4,9 @@
 //! binary cross entropy keeps a finite gradient (PyTorch's backward), and trained
 //! parameters that get no gradient are named in the first backward's warnings.
 //!
-//! On `common::device()`, except the data-parallel tests (ranks are threads of a
-//! `LocalGroup`, a CPU test double) and the master-gradient buffer test (it reads a CPU
-//! buffer's address), which stay on the CPU.
+//! On `common::device()` (the data-parallel tests too: ranks are threads of a `LocalGroup`,
+//! which sums device tensors through the host), except the master-gradient buffer test (it
+//! reads a CPU buffer's address), which stays on the CPU.
 
 mod common;
 
@@ -107,7 +107,7 @@ fn accumulated_overflow_skips_the_step_with_grad_scaler() {
 /// One data-parallel step where rank `r` runs micro-batches with gradients `grads(r)`;
 /// returns (skipped, the weights' bits before, after).
 fn ddp_step(c: Arc<dyn Communicator>, grads: impl Fn(usize) -> Vec<f32>) -> (bool, Vec<u32>, Vec<u32>) {
-    let (amp, w, mut opt) = one_param_on(&Device::Cpu);
+    let (amp, w, mut opt) = one_param_on(&common::device());
     let rank = c.rank();
     let _ddp = DataParallel::new(&amp, c, Default::default()).unwrap();
     let bits = |amp: &Amp| f32_bits(amp.store())["w"].clone();
@@ -270,6 +270,7 @@ fn data_ptr(t: &Tensor) -> usize {
 
 #[test]
 fn master_gradient_buffers_live_across_steps() {
+    // The host path's buffers, read by address: on the CPU whatever the test device.
     let (amp, w, mut opt) = one_param_on(&Device::Cpu);
     amp.scale_loss(&loss_with_grad(&w, 3.0), &mut opt)
         .unwrap()

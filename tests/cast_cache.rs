@@ -286,3 +286,46 @@ fn a_users_direct_var_set_is_detected_or_invalidated_explicitly() {
     autocast::invalidate_all();
     assert_eq!(y(&w), fresh(&x, w.as_tensor()), "one element, everything invalidated");
 }
+
+/// The device path's rule (a GPU's; the CPU's when the path is forced): a run's parameter
+/// casts are cached and checked by write generation alone, reading no parameter value (a
+/// sampled read per lookup would be a host synchronisation on a GPU, where issue 38 found the
+/// cache never hit). So an unchanged weight is served from the cache, every write the run
+/// makes is seen, and a write behind its back is seen once `autocast::invalidate` says so.
+#[test]
+fn on_the_device_path_a_runs_casts_are_checked_by_write_generation_alone() {
+    let cfg = AmpConfig::new(OptLevel::O1)
+        .loss_scale(LossScaleSpec::Static(4.0))
+        .verbosity(0)
+        .device_path(true);
+    let amp = amp::Amp::new(cfg, &common::device()).unwrap();
+    assert!(amp.device_path());
+    let model = amp.model(|vb| amp::nn::linear_no_bias(64, 64, vb.pp("l"))).unwrap();
+    let w = amp.store().param("l.weight").unwrap().working().clone();
+    let x = Tensor::ones((2, 64), DType::F32, &common::device()).unwrap();
+    let forward = || {
+        let _s = amp.autocast();
+        flat(&model.inner().forward(&x).unwrap())
+    };
+    let first = forward();
+    assert_eq!(first, fresh(&x, &w));
+    let (cached, hits) = amp.cast_cache_stats();
+    assert_eq!(cached, 1, "the weight's cast is cached");
+    assert_eq!(forward(), first);
+    assert_eq!(
+        amp.cast_cache_stats(),
+        (1, hits + 1),
+        "unchanged: served from the cache"
+    );
+    // Every value rewritten behind the run's back: nothing is read, so nothing is seen...
+    let var = Var::from_tensor(&w).unwrap();
+    var.set(&(w.copy().unwrap() * 2.0).unwrap()).unwrap();
+    assert_eq!(forward(), first, "a write the run is not told about is not seen");
+    // ...until the writer says so.
+    autocast::invalidate(&w);
+    assert_eq!(forward(), fresh(&x, &w), "invalidated: cast again");
+    // The run's own writes bump the generation.
+    let v = (w.copy().unwrap() * 0.5).unwrap();
+    amp.store().write_f32("l.weight", &v).unwrap();
+    assert_eq!(forward(), fresh(&x, &w), "after ParamStore::write_f32");
+}

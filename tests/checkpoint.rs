@@ -79,6 +79,12 @@ fn level_from_env() -> OptLevel {
 fn child(test: &str, envs: &[(&str, String)]) -> Command {
     let mut c = Command::new(std::env::current_exe().unwrap());
     c.args(["--exact", test, "--ignored", "--nocapture", "--test-threads", "1"]);
+    // The child resumes on the device the parent trained on (said outright, not left to
+    // inheritance: a launcher that clears the environment must not send it to the CPU).
+    c.env(
+        common::DEVICE_VAR,
+        std::env::var(common::DEVICE_VAR).unwrap_or_default(),
+    );
     for (k, v) in envs {
         c.env(k, v);
     }

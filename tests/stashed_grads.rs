@@ -99,15 +99,7 @@ fn data(rows: usize, cols: usize, seed: u64) -> Tensor {
 }
 
 fn bits(t: &Tensor) -> Vec<u32> {
-    t.to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .into_iter()
-        .map(f32::to_bits)
-        .collect()
+    common::flat(t).into_iter().map(f32::to_bits).collect()
 }
 
 /// The discriminator's f32 weights and master gradients after each of three iterations.

@@ -2,7 +2,12 @@
 //! process backends. Each collective is one exchange of every rank's payload under a lock;
 //! ranks that call different collectives, or pass different lengths, all fail with a
 //! [`DistErrorKind::Mismatch`] before any value is combined, and the payloads are released
-//! as soon as the last rank has read them.
+//! as soon as the last rank has read them. A rank whose thread panics while it holds its
+//! communicator (dropped as the thread unwinds) breaks the group: every collective not
+//! completed yet fails at once with [`DistErrorKind::PeerFailed`], so a panic on one rank
+//! ends its peers promptly instead of leaving them waiting out the timeout. A rank that
+//! merely stops calling (returns early) is a silent peer, as a stopped process is to MPI:
+//! the others time out.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -49,6 +54,7 @@ impl LocalGroup {
                 arrived: 0,
                 last: None,
                 timed_out: None,
+                panicked: None,
             }),
             changed: Condvar::new(),
         });
@@ -109,6 +115,27 @@ struct State {
     /// same lock as the arrivals, so a collective completes only if no rank has timed out in
     /// it: a rank that timed out never has its contribution used.
     timed_out: Option<usize>,
+    /// The first rank whose thread panicked while holding its communicator: it can never
+    /// arrive again, so no later collective can complete.
+    panicked: Option<usize>,
+}
+
+impl Drop for LocalComm {
+    /// A rank dropped while its thread panics breaks the group: peers waiting in a
+    /// collective it will never reach fail at once with [`DistErrorKind::PeerFailed`]
+    /// instead of waiting out the timeout (a panicking rank left its peers blocked for the
+    /// whole timeout, a minute in the tests, for each of their collectives). A collective
+    /// that already completed is unaffected: its result stays for the ranks that have not
+    /// taken it yet. An ordinary drop changes nothing (a rank that stopped early is a
+    /// silent peer, and the others time out as they would with MPI).
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let mut st = self.shared.state.lock().unwrap_or_else(|p| p.into_inner());
+        st.panicked.get_or_insert(self.rank);
+        self.shared.changed.notify_all();
+    }
 }
 
 impl LocalComm {
@@ -120,6 +147,9 @@ impl LocalComm {
         // this check and this rank's arrival.
         if let Some(r) = st.timed_out {
             return Err(self.group_failed(op, r));
+        }
+        if let Some(r) = st.panicked {
+            return Err(self.peer_panicked(op, r));
         }
         st.slots[self.rank] = Some((op, payload));
         st.arrived += 1;
@@ -174,6 +204,13 @@ impl LocalComm {
             if let Some(r) = st.timed_out {
                 return Err(self.group_failed(op, r));
             }
+            if let Some(r) = st.panicked {
+                // Under the lock, as a timeout: the collective has not completed and now
+                // cannot, so this rank's contribution is withdrawn.
+                st.slots[self.rank] = None;
+                st.arrived -= 1;
+                return Err(self.peer_panicked(op, r));
+            }
             let now = Instant::now();
             if now >= deadline {
                 // Under the lock: the collective has not completed (checked above) and now
@@ -215,6 +252,14 @@ impl LocalComm {
         self.fail(
             DistErrorKind::Timeout,
             format!("rank {timed_out} timed out waiting in `{op}`, so it cannot complete"),
+        )
+    }
+
+    /// The error of a collective that rank `rank` panicked before reaching.
+    fn peer_panicked(&self, op: &str, rank: usize) -> AmpError {
+        self.fail(
+            DistErrorKind::PeerFailed,
+            format!("rank {rank} panicked, so `{op}` cannot complete; start a new group"),
         )
     }
 
@@ -423,155 +468,4 @@ impl Communicator for LocalComm {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use candle_core::{DType, Device, Tensor};
-
-    /// The device the tests run on: `CANDLE_AMP_TEST_DEVICE=cuda` (with the `cuda` feature)
-    /// or the CPU.
-    fn test_device() -> Device {
-        match std::env::var("CANDLE_AMP_TEST_DEVICE").as_deref() {
-            #[cfg(feature = "cuda")]
-            Ok("cuda") => Device::new_cuda(0).expect("CANDLE_AMP_TEST_DEVICE=cuda needs a CUDA device"),
-            _ => Device::Cpu,
-        }
-    }
-
-    #[test]
-    fn the_default_tensor_all_reduce_sums_on_the_tensors_device_and_refuses_other_types() {
-        let dev = test_device();
-        let comms = LocalGroup::with_timeout(2, Duration::from_secs(60));
-        let results: Vec<(Tensor, Tensor, Vec<AmpError>, Tensor)> = std::thread::scope(|s| {
-            let handles: Vec<_> = comms
-                .iter()
-                .map(|c| {
-                    let dev = dev.clone();
-                    s.spawn(move || {
-                        let r = c.rank() as f32;
-                        let t = Tensor::new(&[r + 1.0, 10.0 * (r + 1.0), -0.5, 0.25 * r], &dev).unwrap();
-                        let sum = c.all_reduce_sum_tensor(&t).unwrap();
-                        let empty = c
-                            .all_reduce_sum_tensor(&Tensor::zeros(0, DType::F32, &dev).unwrap())
-                            .unwrap();
-                        // Refused on rank 0 only: had either call entered the collective, the
-                        // ranks' next collectives would pair wrongly and fail.
-                        let refused = if c.rank() == 0 {
-                            vec![
-                                c.all_reduce_sum_tensor(&t.to_dtype(DType::F16).unwrap()).unwrap_err(),
-                                c.all_reduce_sum_tensor(&t.reshape((2, 2)).unwrap()).unwrap_err(),
-                            ]
-                        } else {
-                            Vec::new()
-                        };
-                        let after = c.all_reduce_sum_tensor(&t.affine(1.0, 1.0).unwrap()).unwrap();
-                        (sum, empty, refused, after)
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        for (rank, (sum, empty, refused, after)) in results.iter().enumerate() {
-            for t in [sum, empty, after] {
-                assert!(t.device().same_device(&dev), "rank {rank}: {:?}", t.device());
-                assert_eq!(t.dtype(), DType::F32);
-            }
-            assert_eq!(sum.to_vec1::<f32>().unwrap(), [3.0, 30.0, -1.0, 0.25], "rank {rank}");
-            assert_eq!(after.to_vec1::<f32>().unwrap(), [5.0, 32.0, 1.0, 2.25], "rank {rank}");
-            assert_eq!(empty.dims(), [0]);
-            for e in refused {
-                assert!(
-                    matches!(e, AmpError::InvalidArgument { argument: "t", .. }),
-                    "rank {rank}: {e}"
-                );
-            }
-        }
-        let msgs: Vec<String> = results[0].2.iter().map(|e| e.to_string()).collect();
-        assert!(msgs[0].contains("F16") && msgs[0].contains("to_dtype"), "{}", msgs[0]);
-        assert!(
-            msgs[1].contains("[2, 2]") && msgs[1].contains("flatten_all"),
-            "{}",
-            msgs[1]
-        );
-    }
-
-    #[test]
-    fn the_group_keeps_no_payload_after_a_collective_returned_on_every_rank() {
-        let comms = LocalGroup::with_timeout(3, Duration::from_secs(60));
-        std::thread::scope(|s| {
-            for c in &comms {
-                s.spawn(move || {
-                    let mut v = vec![c.rank() as f32; 1 << 16];
-                    c.all_reduce_sum(&mut v).unwrap();
-                    let mut b = vec![7u8; 1 << 16];
-                    c.broadcast_bytes(&mut b, 2).unwrap();
-                    let mut g = vec![0u8; 3 << 12];
-                    c.all_gather_bytes(&vec![c.rank() as u8; 1 << 12], &mut g).unwrap();
-                });
-            }
-        });
-        // Every rank returned from every call: nothing of theirs is left in the group.
-        let st = comms[0].shared.state.lock().unwrap();
-        assert!(st.last.is_none(), "the last collective's payloads are still held");
-        assert!(st.slots.iter().all(Option::is_none));
-        assert_eq!(st.arrived, 0);
-    }
-
-    /// Spins until `at` (sleeping is too coarse for the windows this test aims at).
-    fn spin_until(at: Instant) {
-        while Instant::now() < at {
-            std::hint::spin_loop();
-        }
-    }
-
-    #[test]
-    fn a_rank_that_timed_out_is_never_part_of_a_completed_collective() {
-        // Rank 1 arrives around rank 0's deadline: rank 0 either sees it (both complete) or
-        // times out, and then rank 1 must fail too instead of completing with rank 0's
-        // contribution.
-        let timeout = Duration::from_micros(300);
-        let (mut completed, mut failed) = (0, 0);
-        for i in 0..3000u64 {
-            let comms = LocalGroup::with_timeout(2, timeout);
-            let start = Instant::now();
-            let delay = Duration::from_micros((i * 7919) % 600);
-            let results: Vec<Result<Vec<f32>>> = std::thread::scope(|s| {
-                let handles: Vec<_> = comms
-                    .iter()
-                    .map(|c| {
-                        s.spawn(move || {
-                            if c.rank() == 1 {
-                                spin_until(start + delay);
-                            }
-                            let mut v = vec![c.rank() as f32 + 1.0; 4];
-                            c.all_reduce_sum(&mut v).map(|()| v)
-                        })
-                    })
-                    .collect();
-                handles.into_iter().map(|h| h.join().unwrap()).collect()
-            });
-            match (&results[0], &results[1]) {
-                (Ok(a), Ok(b)) => {
-                    assert_eq!((a, b), (&vec![3.0; 4], &vec![3.0; 4]), "iteration {i}");
-                    completed += 1;
-                }
-                (Err(_), Err(_)) => failed += 1,
-                (a, b) => panic!("iteration {i} (delay {delay:?}): rank 0 {a:?}, rank 1 {b:?}"),
-            }
-            for (r, res) in results.iter().enumerate() {
-                if let Err(e) = res {
-                    assert!(
-                        matches!(
-                            e,
-                            AmpError::Distributed {
-                                kind: DistErrorKind::Timeout,
-                                ..
-                            }
-                        ),
-                        "iteration {i} rank {r}: {e}"
-                    );
-                }
-            }
-        }
-        eprintln!("{completed} completed, {failed} timed out");
-    }
-}
+mod tests;

@@ -31,6 +31,7 @@ mod bf16_gemm;
 pub(crate) mod capture;
 mod cast;
 pub(crate) mod chain;
+pub(crate) mod cuda;
 mod dispatch;
 pub(crate) mod elementwise;
 pub(crate) mod fingerprint;

@@ -154,10 +154,12 @@ pub(super) fn forward_no_bwd(x: &Tensor, scale: f64, causal: bool, out: DType) -
 /// `softmax(x * scale)` over the last dimension, keys after the query masked when `causal`
 /// (then the last two dimensions must be equal: query `i` sees keys `j <= i`), computed in
 /// f32 and returned as `out`. Differentiable. On the CPU for f32, f16 and bf16 in and out, one
-/// op whose backward needs only its output; elsewhere (and inside [`super::plain`]) the same
-/// arithmetic composed from candle ops. A row whose scores hold an inf or NaN comes out NaN,
-/// as the composed softmax's does, so an overflow in the scores is not hidden. Over an empty
-/// last dimension the result is empty, as PyTorch's softmax.
+/// op whose backward needs only its output; on CUDA (feature `cuda`) the same as one kernel
+/// each way, compiled at run time by NVRTC; elsewhere (and inside [`super::plain`], or where
+/// the CUDA kernels fail to load) the same arithmetic composed from candle ops. A row whose
+/// scores hold an inf or NaN comes out NaN, as the composed softmax's does, so an overflow in
+/// the scores is not hidden. Over an empty last dimension the result is empty, as PyTorch's
+/// softmax.
 ///
 /// ```
 /// use candle_amp::kernels;
@@ -187,6 +189,15 @@ pub fn scaled_softmax(x: &Tensor, scale: f64, causal: bool, out: DType) -> Resul
             causal,
             out,
         });
+    }
+    // On CUDA the fused kernel (kernels/cuda/softmax.cu), where it loads.
+    #[cfg(feature = "cuda")]
+    if super::enabled()
+        && half_or_f32(x.dtype())
+        && half_or_f32(out)
+        && let Some(p) = super::cuda::softmax::scaled_softmax(x, scale, causal, out)?
+    {
+        return Ok(p);
     }
     composed(x, scale, causal, out)
 }

@@ -13,19 +13,24 @@
 //!   policy in effect is the most recently opened one still open, so guards dropped out of
 //!   order still leave exactly the scopes that are open in effect.
 //! * The cast cache holds half casts of f32 parameters (Vars), keyed by tensor id. Each entry
-//!   records the parameter's write generation and a sampled fingerprint of its data when it
-//!   was cast, and is served only while both are unchanged. Every write this crate makes to a
-//!   parameter (our optimizers' steps, [`crate::ParamStore::write_f32`] and the load paths
-//!   through it) bumps the generation ([`invalidate`]); the fingerprint (a few sampled values,
-//!   see `kernels::fingerprint`) catches writers we do not see that rewrite the data (a
-//!   candle optimizer, loading values with `Var::set`). A writer of our parameters that may
-//!   change only a few values must call [`invalidate`] (or [`invalidate_all`]). A lookup
-//!   costs a hash-map probe and the sampled fingerprint, whatever the size; the cast itself
-//!   runs with no lock held (two threads may both cast on a miss; one result is kept).
-//!   Entries live across steps while their weight is unchanged (a frozen weight is cast
-//!   once); a run's entries not used during a `scale_loss` block are dropped when it ends,
-//!   and any cache is swept when it grows, so casts of dropped tensors do not accumulate. A
-//!   standalone [`scope`]'s cache goes when the scope closes. Only CPU tensors are cached.
+//!   records the parameter's write generation when it was cast, and on the CPU a sampled
+//!   fingerprint of its data, and is served only while they are unchanged. Every write this
+//!   crate makes to a parameter (our optimizers' steps, [`crate::ParamStore::write_f32`] and
+//!   the load paths through it) bumps the generation ([`invalidate`]); on the CPU the
+//!   fingerprint (a few sampled values, see `kernels::fingerprint`) also catches writers we do
+//!   not see that rewrite the data (a candle optimizer outside a run, loading values with
+//!   `Var::set`). On other devices (and on the forced device path) sampling would cost a host
+//!   synchronisation per lookup, so the generation alone decides there, for a run's
+//!   parameters only (every write the run makes bumps it; call [`invalidate`] after writing
+//!   one yourself); a standalone [`scope`] casts such parameters at every use, since any
+//!   writer (a candle optimizer) may change them unseen. A writer that may change only a few
+//!   values must call [`invalidate`] on the CPU too. A lookup costs a hash-map probe (and on the CPU the sampled
+//!   fingerprint), whatever the size; the cast itself runs with no lock held (two threads
+//!   may both cast on a miss; one result is kept). Entries live across steps while their
+//!   weight is unchanged (a frozen weight is cast once); a run's entries not used during a
+//!   `scale_loss` block are dropped when it ends, and any cache is swept when it grows, so
+//!   casts of dropped tensors do not accumulate. A standalone [`scope`]'s cache goes when the
+//!   scope closes. Strided views are not cached.
 //! * The policy is per thread: a worker thread starts with no policy. To autocast on a
 //!   worker, take [`current`] on the spawning thread and [`enter`](AutocastPolicy::enter) it
 //!   on the worker (the cast cache is shared and thread-safe).
@@ -35,163 +40,19 @@
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, LazyLock, Mutex, MutexGuard, RwLock};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
 
-use candle_core::{DType, Tensor, TensorId};
+use candle_core::{DType, Tensor};
 
+use super::cast_cache::ParamCasts;
+pub use super::cast_cache::{invalidate, invalidate_all};
 use super::cast_lists::builtin_policy;
 pub use super::cast_lists::{CAST_LISTS, CastPolicy};
 use super::recording::Observer;
 use super::stash::GradStash;
 use crate::comm::Communicator;
-use crate::kernels::{self, fingerprint::sampled_fingerprint};
-
-// ------------------------------------------------------------------------ write generations
-
-/// The write generations of the tensors written in place since the table was last reset:
-/// what the cast caches check before serving a cast.
-struct Writes {
-    /// The generation of every tensor not in `written`.
-    floor: u64,
-    written: HashMap<TensorId, u64>,
-}
-
-/// Where the table is reset (every cached cast is then re-made once), so that the ids of
-/// dropped tensors do not accumulate in it.
-const MAX_WRITTEN: usize = 1 << 16;
-
-/// The next generation: unique and increasing, so a bumped tensor never matches an entry
-/// cast before the bump.
-static NEXT_GENERATION: AtomicU64 = AtomicU64::new(1);
-
-static WRITES: LazyLock<RwLock<Writes>> = LazyLock::new(|| {
-    RwLock::new(Writes {
-        floor: 0,
-        written: HashMap::new(),
-    })
-});
-
-fn fresh_generation() -> u64 {
-    NEXT_GENERATION.fetch_add(1, Ordering::Relaxed)
-}
-
-/// The write generation of the tensor `id` now.
-fn write_generation(id: TensorId) -> u64 {
-    // A poisoned lock means a panic while inserting; the table is still a valid map.
-    let w = WRITES.read().unwrap_or_else(|p| p.into_inner());
-    w.written.get(&id).copied().unwrap_or(w.floor)
-}
-
-/// Records that `t`'s values were written in place, so no cast cache serves a cast of its
-/// old values again. Process-wide, cheap (a hash-map insert), and safe to call for any
-/// tensor.
-///
-/// The crate calls it after each write it makes to a parameter: its optimizers' steps
-/// ([`crate::optim::Sgd`], [`crate::optim::AdamW`]), [`crate::ParamStore::write_f32`] and the
-/// loads and broadcasts that go through it. Call it yourself after writing a parameter in
-/// place (`Var::set`, an in-place op) while autocast may hold a cast of it: the cache's own
-/// check samples a few values only, so it sees a rewrite of the whole tensor but can miss a
-/// change to a few elements.
-///
-/// ```
-/// use candle_amp::{autocast, ops};
-/// use candle_core::{DType, Device, Tensor, Var};
-/// # fn main() -> candle_core::Result<()> {
-/// let _scope = autocast::scope(DType::BF16);
-/// let w = Var::ones((64, 64), DType::F32, &Device::Cpu)?;
-/// let x = Tensor::ones((1, 64), DType::F32, &Device::Cpu)?;
-/// let before = ops::matmul(&x, &w)?; // casts w (cached)
-/// let mut v = vec![1f32; 64 * 64];
-/// v[65] = 3.0;
-/// w.set(&Tensor::from_vec(v, (64, 64), &Device::Cpu)?)?;
-/// autocast::invalidate(&w);
-/// let after = ops::matmul(&x, &w)?; // casts the new values
-/// assert_eq!(after.to_dtype(DType::F32)?.to_vec2::<f32>()?[0][1], 66.0);
-/// # let _ = before; Ok(()) }
-/// ```
-pub fn invalidate(t: &Tensor) {
-    let mut w = WRITES.write().unwrap_or_else(|p| p.into_inner());
-    let g = fresh_generation();
-    w.written.insert(t.id(), g);
-    if w.written.len() > MAX_WRITTEN {
-        w.written.clear();
-        w.floor = g;
-    }
-}
-
-/// Like [`invalidate`] for every tensor: no cast cached before this call is served again.
-pub fn invalidate_all() {
-    let mut w = WRITES.write().unwrap_or_else(|p| p.into_inner());
-    w.written.clear();
-    w.floor = fresh_generation();
-}
-
-// ------------------------------------------------------------------------ the cast cache
-
-/// A cached cast, with what it was cast from (the source's write generation and sampled
-/// fingerprint) and whether it was used since the last sweep.
-struct Cached {
-    generation: u64,
-    print: u64,
-    cast: Tensor,
-    used: bool,
-}
-
-/// The smallest size at which a cache is swept when an entry is inserted.
-const MIN_SWEEP: usize = 256;
-
-/// Casts by (source tensor, target type). Entries go when a sweep finds them unused since
-/// the previous one: at the end of each step (a run's cache) and whenever the cache has
-/// doubled since the last sweep, so casts of dropped tensors (which keep the f32 source
-/// alive through their graph) cannot accumulate.
-struct CastCache {
-    entries: HashMap<(TensorId, DType), Cached>,
-    sweep_at: usize,
-}
-
-impl CastCache {
-    fn new() -> Self {
-        Self {
-            entries: HashMap::new(),
-            sweep_at: MIN_SWEEP,
-        }
-    }
-
-    /// The cast of `key` if it was made from data of this generation and fingerprint.
-    fn get(&mut self, key: (TensorId, DType), generation: u64, print: u64) -> Option<Tensor> {
-        let e = self.entries.get_mut(&key)?;
-        if e.generation != generation || e.print != print {
-            return None;
-        }
-        e.used = true;
-        Some(e.cast.clone())
-    }
-
-    /// Inserts a cast unless a racing thread already inserted one of a later generation;
-    /// returns what it displaced, for the caller to drop outside the lock.
-    fn insert(&mut self, key: (TensorId, DType), entry: Cached) -> Vec<Cached> {
-        let mut gone = if self.entries.len() >= self.sweep_at {
-            self.sweep()
-        } else {
-            Vec::new()
-        };
-        match self.entries.get(&key) {
-            Some(e) if e.generation > entry.generation => gone.push(entry),
-            _ => gone.extend(self.entries.insert(key, entry)),
-        }
-        gone
-    }
-
-    /// Removes (and returns) the entries not used since the last sweep, and clears the marks.
-    fn sweep(&mut self) -> Vec<Cached> {
-        let keys: Vec<_> = self.entries.iter().filter(|(_, e)| !e.used).map(|(k, _)| *k).collect();
-        let gone = keys.iter().filter_map(|k| self.entries.remove(k)).collect();
-        self.entries.values_mut().for_each(|e| e.used = false);
-        self.sweep_at = (2 * self.entries.len()).max(MIN_SWEEP);
-        gone
-    }
-}
+use crate::kernels;
 
 /// The process group synchronised batch norm reduces its statistics over, and how.
 #[derive(Debug, Clone)]
@@ -208,10 +69,12 @@ pub(crate) struct SyncGroup {
 pub(crate) struct CastContext {
     half: DType,
     verbosity: u8,
-    cache: Mutex<CastCache>,
+    cache: ParamCasts,
+    /// Whether parameters' casts are checked without reading their data, as on a GPU (the
+    /// run takes the device path, or a standalone scope is under the forced device path).
+    unsampled: AtomicBool,
     registry: RwLock<HashMap<String, CastPolicy>>,
     half_ops: AtomicUsize,
-    cache_hits: AtomicUsize,
     last_half_ops: AtomicUsize,
     warned_no_ops: AtomicBool,
     /// The process group batch norm synchronises over (data parallel), if switched on.
@@ -249,10 +112,10 @@ impl CastContext {
         Self {
             half,
             verbosity,
-            cache: Mutex::new(CastCache::new()),
+            cache: ParamCasts::new(),
+            unsampled: AtomicBool::new(false),
             registry: RwLock::new(HashMap::new()),
             half_ops: AtomicUsize::new(0),
-            cache_hits: AtomicUsize::new(0),
             last_half_ops: AtomicUsize::new(0),
             warned_no_ops: AtomicBool::new(false),
             sync: RwLock::new(None),
@@ -373,9 +236,9 @@ impl CastContext {
     }
 
     /// Casts `t` to `to` if it is a floating tensor other than f64 (integer and f64 tensors
-    /// are never cast). Casts of f32 parameters (Vars) on the CPU to half are cached, and a
-    /// cached cast is used only while the parameter is unchanged (its write generation and
-    /// sampled fingerprint).
+    /// are never cast). Casts of f32 parameters (Vars) to half are cached, and a cached cast
+    /// is used only while the parameter is unchanged (its write generation, and on the CPU
+    /// its sampled fingerprint).
     pub(crate) fn cast(&self, t: &Tensor, to: DType) -> candle_core::Result<Tensor> {
         let from = t.dtype();
         if from == to || !eligible(from) {
@@ -395,63 +258,44 @@ impl CastContext {
     }
 
     /// The cached cast of an f32 parameter, made and cached on a miss; `None` where the
-    /// tensor cannot be cached (not a contiguous CPU tensor).
+    /// tensor cannot be cached (a strided view; unsampled, outside a run). Its data is
+    /// sampled for the check only on the CPU outside the device path
+    /// (`precision::cast_cache`).
     fn cast_param(&self, t: &Tensor, to: DType) -> candle_core::Result<Option<Tensor>> {
-        // The generation is read before the data: a write that completes after this read
-        // bumps it, so a cast of data that was being written is never served.
-        let generation = write_generation(t.id());
-        let Some(print) = sampled_fingerprint(t) else {
+        let sample = t.device().is_cpu() && !self.unsampled.load(Ordering::Relaxed);
+        // Unsampled, a cast is only as good as the write generations: a run's parameters are
+        // written through the crate (its optimizers bump them after any algorithm, candle's
+        // too; its store and loads), a standalone scope's by anything (a candle optimizer),
+        // so a standalone scope casts them at every use.
+        if !sample && self.stash.is_none() {
             return Ok(None);
-        };
-        let key = (t.id(), to);
-        let hit = self.lock_cache().get(key, generation, print);
-        if let Some(hit) = hit {
-            self.cache_hits.fetch_add(1, Ordering::Relaxed);
-            return Ok(Some(hit));
         }
-        // No lock is held across the cast: it goes parallel on rayon for large tensors, and a
-        // worker waiting in it may run another task that casts through this context.
-        let out = kernels::cast(t, to)?;
-        let entry = Cached {
-            generation,
-            print,
-            cast: out.clone(),
-            used: true,
-        };
-        let displaced = self.lock_cache().insert(key, entry);
-        // Dropped outside the lock (a displaced cast may free a whole graph).
-        drop(displaced);
-        if self.verbosity >= 2 {
+        let out = self.cache.cast(t, to, sample)?;
+        if self.verbosity >= 2 && out.is_some() {
             log::debug!("autocast: cast parameter {:?} F32 -> {to:?} (cached)", t.shape());
         }
-        Ok(Some(out))
+        Ok(out)
     }
 
-    fn lock_cache(&self) -> MutexGuard<'_, CastCache> {
-        // A poisoned lock means a panic elsewhere; the map is still consistent.
-        self.cache.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Drops the cached casts not used since the last sweep (done when a step's
-    /// `scale_loss` ends: a weight the step did not use, or that was dropped, goes).
-    fn sweep_cache(&self) {
-        let gone = self.lock_cache().sweep();
-        drop(gone);
+    /// Checks parameters' casts as a GPU's (write generations only, no data read) on the CPU
+    /// too: what the device path does, so that forcing it tests the rule a GPU follows.
+    pub(crate) fn check_as_device(&self, on: bool) {
+        self.unsampled.store(on, Ordering::Relaxed);
     }
 
     /// The cached casts themselves (for [`crate::testing::live_buffers`]).
     pub(crate) fn cached_casts(&self) -> Vec<Tensor> {
-        self.lock_cache().entries.values().map(|e| e.cast.clone()).collect()
+        self.cache.casts()
     }
 
     /// Number of cached casts.
     pub(crate) fn cached(&self) -> usize {
-        self.lock_cache().entries.len()
+        self.cache.len()
     }
 
     /// Casts served from the cache so far.
     pub(crate) fn cache_hits(&self) -> usize {
-        self.cache_hits.load(Ordering::Relaxed)
+        self.cache.hits()
     }
 
     pub(crate) fn note_half(&self) {
@@ -481,7 +325,7 @@ impl CastContext {
             log::warn!("{w}");
             warning = Some(w);
         }
-        self.sweep_cache();
+        self.cache.sweep();
         (n, warning)
     }
 }
@@ -628,7 +472,10 @@ pub(crate) fn enter(policy: AutocastPolicy) -> AutocastGuard {
 /// # Ok(()) }
 /// ```
 pub fn scope(half: DType) -> AutocastGuard {
-    enter(AutocastPolicy::new(Arc::new(CastContext::new(half, 0))))
+    let context = CastContext::new(half, 0);
+    // Under the forced device path the CPU checks casts as a GPU does (no data read).
+    context.check_as_device(super::cast_cache::device_path_forced_by_env());
+    enter(AutocastPolicy::new(Arc::new(context)))
 }
 
 /// PyTorch's default autocast type for a device: bf16 on CPU, f16 on CUDA.

@@ -5,7 +5,7 @@
 //! * [`store`]: the parameter store, which builds each parameter in the type the properties
 //!   ask for and keeps f32 masters at O2;
 //! * [`cast_lists`] and [`autocast`]: O1's per-op casting, a thread-local policy with Apex's
-//!   cast lists as data;
+//!   cast lists as data; [`cast_cache`]: its cache of parameter casts;
 //! * [`ops`]: tensor operations that consult that policy;
 //! * [`model`]: the model wrapper that casts inputs and outputs.
 //!
@@ -13,6 +13,7 @@
 //! properties) and [`crate::kernels`] only.
 
 pub mod autocast;
+pub(crate) mod cast_cache;
 pub(crate) mod cast_lists;
 pub(crate) mod fused;
 pub(crate) mod model;

@@ -326,6 +326,10 @@ fn softmax_f32(x: &Tensor, dim: usize) -> Result<Tensor> {
     if x.elem_count() == 0 {
         return Ok(x.clone());
     }
+    // On CUDA over the last dimension: the fused kernel (one pass each way) where it loads.
+    if x.device().is_cuda() && dim + 1 == x.rank() {
+        return kernels::scaled_softmax(x, 1.0, false, x.dtype());
+    }
     let m = x.max_keepdim(dim)?.detach();
     let e = x.broadcast_sub(&m)?.exp()?;
     e.broadcast_div(&e.sum_keepdim(dim)?)

@@ -290,7 +290,8 @@ pub struct AmpConfig {
     /// `CANDLE_AMP_FORCE_DEVICE_PATH` says, `1` or `true` forcing it). Off the CPU the device
     /// path is always taken: master gradients, optimizer state and overflow flags stay on
     /// the device as candle tensors, and the host reads one small vector of flags per
-    /// optimizer step ([`crate::Amp::host_syncs`] counts the reads). Forcing it on the CPU
+    /// backward, so each backward's report is the verdict ([`crate::Amp::host_syncs`] counts
+    /// the reads; a step with one backward costs one). Forcing it on the CPU
     /// runs those same tensor ops there instead of the fused CPU kernels, so a machine
     /// without a GPU tests what a GPU runs (slower: it is a test switch).
     pub device_path: Option<bool>,
@@ -355,10 +356,8 @@ impl AmpConfig {
     /// Whether the CPU takes the device path: [`device_path`](Self::device_path) if set,
     /// else `CANDLE_AMP_FORCE_DEVICE_PATH` (`1` or `true`).
     pub fn forces_device_path(&self) -> bool {
-        self.device_path.unwrap_or_else(|| {
-            std::env::var("CANDLE_AMP_FORCE_DEVICE_PATH")
-                .is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes"))
-        })
+        self.device_path
+            .unwrap_or_else(super::cast_cache::device_path_forced_by_env)
     }
 
     /// Starts from pretrained weights (see [`crate::Amp::load_weights`]).

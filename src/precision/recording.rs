@@ -40,8 +40,8 @@ impl TensorKind {
 pub(crate) struct BackwardInfo {
     /// The loss scale the backward ran at.
     pub scale: f32,
-    /// Whether the loss or a gradient was not finite (the step will be skipped; on the
-    /// device path only what the host knew, see `BackwardReport::deferred`).
+    /// Whether the loss or a gradient was not finite (the step will be skipped; the verdict
+    /// on both paths, see `BackwardReport::found_inf`).
     pub found_inf: bool,
 }
 

@@ -322,7 +322,8 @@ impl ParamStore {
 
     /// Writes an f32 value into a parameter: into its master, and cast into its working Var.
     /// Autocast's cached casts of the parameter are invalidated
-    /// ([`crate::autocast::invalidate`]).
+    /// ([`crate::autocast::invalidate`]). `value` may be on any device (a checkpoint is read
+    /// on the host): it is copied to the parameter's.
     pub fn write_f32(&self, name: &str, value: &Tensor) -> Result<()> {
         let p = self.param(name).ok_or_else(|| AmpError::Parameter {
             name: name.to_string(),
@@ -338,7 +339,9 @@ impl ParamStore {
                 ),
             });
         }
-        let v32 = value.to_dtype(DType::F32)?;
+        // `Var::set` copies within one device only: a value read from a file (on the host)
+        // for a run on a GPU would fail with a device mismatch.
+        let v32 = value.to_dtype(DType::F32)?.to_device(p.working.device())?;
         // Each write is invalidated even when it fails: it may have written part of the values.
         if let Some(m) = &p.master {
             let written = m.set(&v32);

@@ -22,7 +22,7 @@ use candle_core::{DType, Tensor, Var};
 
 use std::sync::Arc;
 
-use super::optim::{AmpOptimizer, Pending, Round};
+use super::optim::{AmpOptimizer, Round, Unscaled};
 use super::run::{RunState, merge_grads};
 use crate::error::{AmpError, CallOrderKind, Result};
 use crate::kernels::unscale::nonfinite;
@@ -37,19 +37,24 @@ fn loss_name(id: usize) -> String {
 #[derive(Debug, Clone, PartialEq)]
 pub struct BackwardReport {
     /// Whether the loss or any gradient was inf or NaN (the next step will be skipped).
+    /// Always the verdict, on both paths: the CPU path checks on the host; the device path
+    /// ([`crate::Amp::device_path`]) reads this backward's flags in one host transfer
+    /// (counted in [`crate::Amp::host_syncs`]), as Apex's `scale_loss` reads its overflow
+    /// buffer once per backward.
     pub found_inf: bool,
-    /// Parameters whose gradients were non-finite (`"<loss>"` for the loss itself).
+    /// Parameters whose gradients were non-finite (`"<loss>"` for the loss itself); when
+    /// micro-batches accumulate, those whose sum so far is (two finite gradients can
+    /// overflow together). Complete on both paths, like `found_inf`.
     pub nonfinite: Vec<String>,
     /// The scale the loss was multiplied by.
     pub loss_scale: f32,
     /// At O1: how many ops ran in half precision in this `scale_loss` block (`None` at the
     /// other levels and on the `GradScaler` path).
     pub autocast_ops: Option<usize>,
-    /// Whether the overflow check stayed on the device (the device path,
-    /// [`crate::Amp::device_path`]): `found_inf` and `nonfinite` then say only what was
-    /// known on the host without reading the device (normally nothing), and the step's
-    /// outcome (or [`AmpOptimizer::found_inf`], which reads the flags) gives the verdict, as
-    /// PyTorch's `GradScaler` knows it only at `step`.
+    /// Always `false`, kept for compatibility. It once said that the device path had left
+    /// the overflow check on the device until the step, with `found_inf` reading `false`
+    /// meanwhile; the device path now reads each backward's flags (see `found_inf`), so no
+    /// report is ever provisional.
     pub deferred: bool,
     /// Things the user should know, once per run: in the run's first backward, the trained
     /// parameters (trainable, not frozen) that received no gradient, by name; at O1, a block
@@ -106,7 +111,7 @@ pub struct ScaleLoss<'a> {
     scaled: Tensor,
     scale: f32,
     loss_nonfinite: bool,
-    /// The device path's flag of the loss (read at the step).
+    /// The device path's flag of the loss (read with the backward's other flags).
     loss_flag: Option<Tensor>,
     /// Open while the doctor records this step: the parameters' gradients in f32 before
     /// they are rounded to half (`kernels::capture`).
@@ -359,42 +364,21 @@ fn stages(
     // so stage 3 checks the sums it will make in place without making them yet.
     let verdict_first = reducer.is_some();
     let mut per_opt = Vec::with_capacity(owned.len());
-    let mut deferred = false;
     for (opt, params) in optimizers.iter().zip(&owned) {
-        let u = opt.unscale_into(&grads, params, scale, check, verdict_first)?;
+        per_opt.push(opt.unscale_into(&grads, params, scale, check, verdict_first)?);
+    }
+    // The device path: this backward's flags (the loss's, each new master gradient's) read
+    // in one host transfer before anything is written, so the report is the verdict (Apex
+    // reads its overflow buffer once per backward too) and a failed read changes nothing.
+    if loss_flag.is_some() || per_opt.iter().any(|u| !u.device_flags.is_empty()) {
+        found_inf |= read_backward_flags(run, loss_flag.as_ref(), &mut per_opt, &mut nonfinite)?;
+    }
+    for u in &per_opt {
         found_inf |= u.found_inf;
         nonfinite.extend(u.nonfinite.iter().cloned());
-        deferred |= u.device_flag.is_some();
-        per_opt.push(u);
     }
-    let mut loss_flag = loss_flag;
     if let Some(r) = &reducer {
-        if deferred || loss_flag.is_some() {
-            // The reducer combines the verdict across processes now: read this backward's
-            // flags (one host read; the applied sums are still checked at the step).
-            let mut flags: Vec<Tensor> = per_opt.iter_mut().filter_map(|u| u.device_flag.take()).collect();
-            flags.extend(loss_flag.take());
-            found_inf |= crate::train::optim::read_device_flags(run, &flags)?
-                .into_iter()
-                .any(|b| b);
-        }
         found_inf = r.reduce_found_inf(found_inf)?;
-    }
-    // An overflow in any optimizer's gradients skips the step of all of them (as `found_inf`
-    // does on the CPU path): each defers the block's combined flag.
-    let mut block: Option<Tensor> = None;
-    for f in per_opt.iter().filter_map(|u| u.device_flag.as_ref()) {
-        block = Some(match block {
-            Some(b) => (b + f)?,
-            None => f.clone(),
-        });
-    }
-    let mut pending: Vec<Option<Pending>> = Vec::with_capacity(per_opt.len());
-    for opt in optimizers.iter() {
-        pending.push(match deferred {
-            true => Some(opt.with_flags(round, block.clone(), loss_flag.clone())?),
-            false => None,
-        });
     }
     // The writes. First the sums made in place (checked now where the verdict did not have
     // to come first), then the commits with the block's verdict, which cannot fail.
@@ -409,8 +393,8 @@ fn stages(
     run.stash().consume(&backwards, Some(&all));
     nonfinite.sort();
     nonfinite.dedup();
-    for ((opt, u), p) in optimizers.iter_mut().zip(per_opt).zip(pending) {
-        opt.commit(round, u, found_inf, nonfinite.clone(), p);
+    for (opt, u) in optimizers.iter_mut().zip(per_opt) {
+        opt.commit(round, u, found_inf, nonfinite.clone());
     }
     // The run's first backward is its first that succeeds.
     let first = run.first_backward();
@@ -455,9 +439,39 @@ fn stages(
         nonfinite,
         loss_scale: scale,
         autocast_ops: None,
-        deferred,
+        deferred: false,
         warnings,
     })
+}
+
+/// Reads one backward's device flags in one counted host transfer: the loss's (`"<loss>"`
+/// goes into `nonfinite` when set) and every optimizer's master gradients' (recorded in
+/// each [`Unscaled`] as the CPU path records them). Returns whether
+/// the loss was non-finite.
+fn read_backward_flags(
+    run: &RunState,
+    loss_flag: Option<&Tensor>,
+    per_opt: &mut [Unscaled],
+    nonfinite: &mut Vec<String>,
+) -> Result<bool> {
+    let mut flags: Vec<Tensor> = loss_flag.into_iter().cloned().collect();
+    flags.extend(
+        per_opt
+            .iter()
+            .flat_map(|u| u.device_flags.iter().map(|(_, f)| f.clone())),
+    );
+    let set = crate::train::optim::read_device_flags(run, &flags)?;
+    let (loss_set, mut rest) = set.split_at(usize::from(loss_flag.is_some()));
+    for u in per_opt.iter_mut() {
+        let (mine, after) = rest.split_at(u.device_flags.len().min(rest.len()));
+        u.resolve(mine);
+        rest = after;
+    }
+    let loss_bad = loss_set.first() == Some(&true);
+    if loss_bad {
+        nonfinite.push("<loss>".to_string());
+    }
+    Ok(loss_bad)
 }
 
 /// The trained parameters that got no gradient from a backward (a layer whose op has no

@@ -96,11 +96,13 @@ impl RunState {
     /// The run with the device path forced on the CPU too (or not).
     pub(crate) fn with_device_path(mut self, forced: bool) -> Self {
         self.force_device_path = forced;
+        // The cast cache checks parameters as a GPU's too (no data read).
+        self.casts.check_as_device(forced);
         self
     }
 
     /// Whether gradients, optimizer state and overflow flags stay on the device, read on
-    /// the host once per step: always off the CPU, on the CPU when forced.
+    /// the host once per backward: always off the CPU, on the CPU when forced.
     pub(crate) fn device_path(&self) -> bool {
         self.force_device_path || !self.store.device().is_cpu()
     }

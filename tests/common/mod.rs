@@ -64,6 +64,23 @@ pub fn cross_tol(dtype: DType) -> f32 {
     if cpu_kernels() { 0.0 } else { tol(dtype) }
 }
 
+/// Transformer Engine's relative tolerances for one kernel's output against a reference
+/// computed another way (fp32 1.3e-6, fp16 1e-3, bf16 1.6e-2): the guarantee a device's
+/// kernels give for a single operation, where the CPU kernels are bit-exact.
+pub fn te_rtol(dtype: DType) -> f32 {
+    match dtype {
+        DType::F16 => 1e-3,
+        DType::BF16 => 1.6e-2,
+        _ => 1.3e-6,
+    }
+}
+
+/// 0 (bit for bit) with the CPU kernels, [`te_rtol`] on any other device or path: for one
+/// operation's result compared with the same operation written out on the host.
+pub fn exact_or_te(dtype: DType) -> f32 {
+    if cpu_kernels() { 0.0 } else { te_rtol(dtype) }
+}
+
 /// A tolerance that is `cpu` with the CPU kernels and at least [`tol`] elsewhere: for
 /// comparisons against a plain-candle control that the CPU kernels meet to within `cpu`.
 pub fn cpu_or_tol(cpu: f32, dtype: DType) -> f32 {
@@ -300,13 +317,18 @@ pub fn mse(model: &impl Module, x: &Tensor, y: &Tensor) -> Tensor {
 
 /// Runs `f` on every rank of a local group of `n` whose collectives time out after
 /// `timeout`, each rank on its own thread; results in rank order.
+///
+/// Each rank owns its communicator, so a rank that panics drops it while unwinding and its
+/// peers' collectives fail at once (`DistErrorKind::PeerFailed`) instead of waiting out
+/// `timeout`. The panic re-raised here is the one that started it, not a peer's failure
+/// that followed.
 pub fn on_ranks<T: Send>(
     n: usize,
     timeout: std::time::Duration,
     f: impl Fn(std::sync::Arc<dyn amp::distributed::Communicator>) -> T + Sync,
 ) -> Vec<T> {
     let comms = amp::distributed::LocalGroup::with_timeout(n, timeout);
-    std::thread::scope(|s| {
+    let joined: Vec<std::thread::Result<T>> = std::thread::scope(|s| {
         let hs: Vec<_> = comms
             .into_iter()
             .map(|c| {
@@ -314,8 +336,29 @@ pub fn on_ranks<T: Send>(
                 s.spawn(move || f(std::sync::Arc::new(c)))
             })
             .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    })
+        hs.into_iter().map(|h| h.join()).collect()
+    });
+    let message = |p: &Box<dyn std::any::Any + Send>| {
+        p.downcast_ref::<String>()
+            .cloned()
+            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default()
+    };
+    if joined.iter().any(|r| r.is_err()) {
+        let mut panics: Vec<_> = joined.into_iter().filter_map(|r| r.err()).collect();
+        let root = panics
+            .iter()
+            .position(|p| !message(p).contains("PeerFailed"))
+            .unwrap_or(0);
+        std::panic::resume_unwind(panics.swap_remove(root));
+    }
+    joined
+        .into_iter()
+        .map(|r| match r {
+            Ok(t) => t,
+            Err(_) => unreachable!("no rank panicked"),
+        })
+        .collect()
 }
 
 /// Asserts that no two of the run's live buffers (parameters, masters, cast cache, each

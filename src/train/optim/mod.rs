@@ -15,7 +15,7 @@ mod state;
 
 pub use adamw::{AdamW, AdamWConfig};
 pub use amp_optimizer::{AmpOptimizer, AmpOptimizerState, ParamGroup, StepOutcome};
-pub(crate) use amp_optimizer::{Pending, Round};
+pub(crate) use amp_optimizer::{Round, Unscaled};
 pub(crate) use amp_optimizer::{device_flag, read_device_flags, read_device_values};
 pub use candle_adapter::CandleOptimizer;
 pub use sgd::{Sgd, SgdConfig};

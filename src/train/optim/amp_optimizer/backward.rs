@@ -29,9 +29,24 @@ pub(crate) struct Unscaled {
     pub found_inf: bool,
     /// Which.
     pub nonfinite: Vec<String>,
-    /// On the device path: the sum of the unscaled gradients' flags, on the device (see the
-    /// `device` module); `found_inf` is then false.
-    pub device_flag: Option<Tensor>,
+    /// On the device path (with the check on): each new master gradient's flag, on the
+    /// device (see the `device` module), for the pipeline to read with the loss's in one host
+    /// transfer ([`Unscaled::resolve`]); until then `found_inf` is false.
+    pub device_flags: Vec<(String, Tensor)>,
+}
+
+impl Unscaled {
+    /// Records the device path's verdict for this optimizer's flags: `set` holds, in the
+    /// order of [`device_flags`](Self::device_flags), whether each master gradient was
+    /// non-finite (read by the pipeline in one host transfer with every other optimizer's).
+    pub(crate) fn resolve(&mut self, set: &[bool]) {
+        for ((name, _), bad) in std::mem::take(&mut self.device_flags).into_iter().zip(set) {
+            if *bad {
+                self.found_inf = true;
+                self.nonfinite.push(name);
+            }
+        }
+    }
 }
 
 impl AmpOptimizer {
@@ -62,35 +77,28 @@ impl AmpOptimizer {
             check,
             found_inf: false,
             nonfinite: Vec::new(),
-            device_flag: None,
+            device_flags: Vec::new(),
         };
         if self.device_path() {
-            // Tensor ops on the device, checked there: the flag is read at the step.
-            let mut flag: Option<Tensor> = None;
+            // Tensor ops on the device, checked there: each master gradient this backward
+            // makes (the sum, when micro-batches accumulate: two finite gradients can
+            // overflow together) gets a flag, read by the pipeline before anything is written.
             for (name, var) in params {
                 let Some(raw) = grads.get(var.as_tensor()) else {
                     continue;
                 };
                 let g = crate::kernels::unscale::unscale_tensor(raw, scale)?;
-                if check {
-                    let f = super::device::flag(&g)?;
-                    flag = Some(match flag {
-                        Some(a) => (a + f)?,
-                        None => f,
-                    });
-                }
                 let g = match self.grads.get(name) {
                     Some(live) => (live + g.reshape(live.shape())?)?.detach(),
                     // At a scale of 1 an f32 gradient unscales to itself: a master gradient
                     // is storage of its own, never the caller's gradient.
                     None => crate::kernels::apart_from(&g, &[raw])?,
                 };
+                if check {
+                    out.device_flags.push((name.clone(), super::device::flag(&g)?));
+                }
                 out.grads.push((name.clone(), g));
             }
-            out.device_flag = Some(match flag {
-                Some(f) => f,
-                None => Tensor::zeros((), DType::F32, self.run.store.device())?,
-            });
             return Ok(out);
         }
         // Written in place by the one-pass kernel: f32 CPU storage of the raw gradient's size,
@@ -179,39 +187,18 @@ impl AmpOptimizer {
         Ok(())
     }
 
-    /// The device path's pending flags with one backward's gradient and loss flags added for
-    /// `round`, made without changing the optimizer's (for [`commit`](Self::commit)).
-    pub(crate) fn with_flags(
-        &self,
-        round: Round,
-        grads: Option<Tensor>,
-        loss: Option<Tensor>,
-    ) -> Result<super::device::Pending> {
-        self.pending.with(round, grads, loss, self.run.store.device())
-    }
-
     /// Stage 4 of the backward pipeline, the commit: records one backward's unscaled
     /// gradients (already detached f32; those accumulated in place were added by
     /// [`add_in_place`](Self::add_in_place)), OR-s its overflow flag into the round's, and
     /// counts the micro-batch. Nothing here can fail: everything that can was done before
     /// ([`check_accumulate`](Self::check_accumulate), [`unscale_into`](Self::unscale_into),
-    /// [`with_flags`](Self::with_flags)).
-    pub(crate) fn commit(
-        &mut self,
-        round: Round,
-        u: Unscaled,
-        found_inf: bool,
-        nonfinite: Vec<String>,
-        pending: Option<super::device::Pending>,
-    ) {
+    /// the device path's read of the flags).
+    pub(crate) fn commit(&mut self, round: Round, u: Unscaled, found_inf: bool, nonfinite: Vec<String>) {
         for name in &u.spares {
             self.spare.remove(name);
         }
         self.grads.extend(u.grads);
         *self.found_inf.entry(round).or_insert(false) |= found_inf;
-        if let Some(p) = pending {
-            self.pending = p;
-        }
         self.nonfinite.extend(nonfinite);
         self.micro_batches += 1;
         self.stage = Stage::HasGrads;

@@ -3,7 +3,7 @@
 //!
 //! The type and its bookkeeping live here; the backward stages in `backward`, the step in
 //! `step`, the device path (state and overflow flags kept on the parameters' device, one
-//! host read per step) in `device`, the saved state in `saved`, the undoing of a sharded
+//! host read per backward) in `device`, the saved state in `saved`, the undoing of a sharded
 //! step whose all-gather failed in `undo`.
 
 mod backward;
@@ -12,9 +12,8 @@ mod saved;
 mod step;
 mod undo;
 
-pub(crate) use device::{
-    Pending, flag as device_flag, read_flags as read_device_flags, read_values as read_device_values,
-};
+pub(crate) use backward::Unscaled;
+pub(crate) use device::{flag as device_flag, read_flags as read_device_flags, read_values as read_device_values};
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -160,8 +159,6 @@ pub struct AmpOptimizer {
     steps: u64,
     skipped: u64,
     consecutive_skips: u32,
-    /// The device path's overflow flags, not read on the host yet.
-    pending: device::Pending,
 }
 
 impl Drop for AmpOptimizer {
@@ -215,7 +212,6 @@ impl AmpOptimizer {
             steps: 0,
             skipped: 0,
             consecutive_skips: 0,
-            pending: device::Pending::default(),
         };
         opt.check_claims()?;
         opt.run.claims_mut().insert(opt.id, opt.claim.clone());
@@ -453,24 +449,11 @@ impl AmpOptimizer {
 
     /// Whether gradients accumulated since the last `zero_grad` contain inf or NaN.
     ///
-    /// On the device path ([`crate::Amp::device_path`]) the flags stay on the device until
-    /// the step: asking before it reads them on the host (one synchronisation, counted in
-    /// [`crate::Amp::host_syncs`]); a failed read answers `true`, which skips rather than
-    /// applies.
+    /// Known on the host on both paths, so asking reads nothing: on the device path
+    /// ([`crate::Amp::device_path`]) each backward read its flags when it ran (one counted
+    /// host read, [`crate::Amp::host_syncs`]).
     pub fn found_inf(&self) -> bool {
-        if self.found_inf.values().any(|&b| b) {
-            return true;
-        }
-        if self.pending.is_empty() {
-            return false;
-        }
-        match self.read_pending() {
-            Ok(v) => v.any(),
-            Err(e) => {
-                log::error!("could not read the overflow flags from the device: {e}");
-                true
-            }
-        }
+        self.found_inf.values().any(|&b| b)
     }
 
     /// Parameters whose accumulated gradients are non-finite.

@@ -35,8 +35,6 @@ impl AmpOptimizer {
     /// then holds the same gradients and the same overflow flags. Nothing changes on an error.
     pub(crate) fn reduce_step(&mut self) -> Result<()> {
         self.run.check_not_diverged("GradScaler::unscale")?;
-        // The device path's flags first: the reducer combines host flags.
-        self.resolve_flags()?;
         if self.reduced || self.stage != Stage::HasGrads {
             return Ok(());
         }
@@ -103,7 +101,6 @@ impl AmpOptimizer {
         if !self.device_path() {
             self.spare.extend(grads);
         }
-        self.pending = super::device::Pending::default();
         self.found_inf.clear();
         self.nonfinite.clear();
         self.micro_batches = 0;

@@ -1,0 +1,6 @@
+//! What the library does on CUDA devices below candle's own kernels: the stream-ordered
+//! memory pool's settings ([`pool`]) and the fused kernels, CUDA C compiled at run time by
+//! NVRTC ([`softmax`]: attention's scale + mask + softmax and its backward).
+
+pub(crate) mod pool;
+pub(crate) mod softmax;

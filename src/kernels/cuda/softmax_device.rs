@@ -1,0 +1,289 @@
+//! The kernels of `softmax.cu` on a candle CUDA device: compiled by NVRTC, loaded into
+//! candle's context, applied as custom ops whose backward is the backward kernel.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchArgs, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
+use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice, DeviceId, WrapErr};
+use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Tensor};
+use half::{bf16, f16};
+
+use super::{Pass, SOURCE, plan};
+
+/// The module's name in candle's per-device cache of custom modules.
+const MODULE: &str = "candle_amp_softmax";
+/// A kernel the first load looks up, so that a module that loads but lacks it counts as failed.
+const PROBE: &str = "amp_softmax_fwd_w2_f32_f32";
+
+/// The module's PTX, or why NVRTC could not make it.
+type Compiled = std::result::Result<Arc<str>, String>;
+
+/// PTX per compute capability (NVRTC runs once per architecture per process), or why not.
+fn ptx_for(dev: &CudaDevice) -> Compiled {
+    static PTX: OnceLock<Mutex<HashMap<(i32, i32), Compiled>>> = OnceLock::new();
+    let cc = dev
+        .cuda_stream()
+        .context()
+        .compute_capability()
+        .map_err(|e| format!("compute capability: {e}"))?;
+    let mut cache = PTX
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    cache
+        .entry(cc)
+        .or_insert_with(|| {
+            let opts = CompileOptions {
+                // The device's own virtual architecture: its driver JIT-compiles the PTX once
+                // at load. No fused multiply-add, so the arithmetic rounds as the CPU kernel's
+                // does (the kernels are memory-bound: FMA would save nothing).
+                options: vec![
+                    format!("--gpu-architecture=compute_{}{}", cc.0, cc.1),
+                    "--fmad=false".into(),
+                ],
+                name: Some("candle_amp_softmax.cu".into()),
+                ..Default::default()
+            };
+            compile_ptx_with_opts(SOURCE, opts)
+                .map(|p| Arc::from(p.to_src()))
+                .map_err(|e| format!("NVRTC: {e}"))
+        })
+        .clone()
+}
+
+/// Whether the kernels are loaded on `dev` (compiling and loading them on first use). A
+/// failure is logged once per device; the callers then keep the composed ops.
+pub(crate) fn available(dev: &CudaDevice) -> bool {
+    static LOADED: OnceLock<Mutex<HashMap<DeviceId, bool>>> = OnceLock::new();
+    let mut loaded = LOADED
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    *loaded.entry(dev.id()).or_insert_with(|| {
+        let r = ptx_for(dev).and_then(|ptx| {
+            dev.get_or_load_custom_func(PROBE, MODULE, &ptx)
+                .map(|_| ())
+                .map_err(|e| format!("loading the module: {e}"))
+        });
+        if let Err(e) = &r {
+            log::warn!("candle-amp: the CUDA softmax kernels are unavailable ({e}); attention's softmax runs as composed candle ops");
+        }
+        r.is_ok()
+    })
+}
+
+/// A contiguous input as the view a kernel reads.
+enum View<'a> {
+    F32(CudaView<'a, f32>),
+    F16(CudaView<'a, f16>),
+    BF16(CudaView<'a, bf16>),
+}
+
+fn view<'a>(s: &'a CudaStorage, l: &Layout, what: &str) -> Result<View<'a>> {
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg(format!("{what}: the input must be contiguous")))?;
+    Ok(match &s.slice {
+        CudaStorageSlice::F32(x) => View::F32(x.slice(a..b)),
+        CudaStorageSlice::F16(x) => View::F16(x.slice(a..b)),
+        CudaStorageSlice::BF16(x) => View::BF16(x.slice(a..b)),
+        _ => candle_core::bail!("{what}: {:?} input", s.dtype()),
+    })
+}
+
+/// A fresh output buffer of `n` values of `dt` (written whole by the kernel).
+enum Out {
+    F32(CudaSlice<f32>),
+    F16(CudaSlice<f16>),
+    BF16(CudaSlice<bf16>),
+}
+
+fn alloc(dev: &CudaDevice, dt: DType, n: usize, what: &str) -> Result<Out> {
+    // SAFETY: every kernel writes every value of its output (masked ones as 0) before the
+    // buffer is read: the grid covers every row and each row's loop every column.
+    Ok(match dt {
+        DType::F32 => Out::F32(unsafe { dev.alloc::<f32>(n) }?),
+        DType::F16 => Out::F16(unsafe { dev.alloc::<f16>(n) }?),
+        DType::BF16 => Out::BF16(unsafe { dev.alloc::<bf16>(n) }?),
+        other => candle_core::bail!("{what}: {other:?} output"),
+    })
+}
+
+fn push_in<'a>(b: &mut LaunchArgs<'a>, v: &'a View<'_>) {
+    match v {
+        View::F32(x) => b.arg(x),
+        View::F16(x) => b.arg(x),
+        View::BF16(x) => b.arg(x),
+    };
+}
+
+fn push_out<'a>(b: &mut LaunchArgs<'a>, o: &'a Out) {
+    match o {
+        Out::F32(x) => b.arg(x),
+        Out::F16(x) => b.arg(x),
+        Out::BF16(x) => b.arg(x),
+    };
+}
+
+fn wrap(o: Out, dev: CudaDevice) -> CudaStorage {
+    match o {
+        Out::F32(x) => CudaStorage::wrap_cuda_slice(x, dev),
+        Out::F16(x) => CudaStorage::wrap_cuda_slice(x, dev),
+        Out::BF16(x) => CudaStorage::wrap_cuda_slice(x, dev),
+    }
+}
+
+/// Rows, columns and queries per matrix of a layout (its last two dimensions).
+fn rows_cols(l: &Layout) -> (usize, usize, usize) {
+    let dims = l.shape().dims();
+    let cols = dims.last().copied().unwrap_or(1);
+    let q = if dims.len() >= 2 { dims[dims.len() - 2] } else { 1 };
+    (l.shape().elem_count() / cols.max(1), cols, q)
+}
+
+fn config(grid: u32, block: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid, 1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The forward: `softmax(x * scale)` over the last dimension, causal if asked, into `out`.
+struct Forward {
+    scale: f32,
+    causal: bool,
+    out: DType,
+}
+
+impl CustomOp1 for Forward {
+    fn name(&self) -> &'static str {
+        "amp-cuda-scaled-softmax"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        // Only ever applied to CUDA tensors (see `scaled_softmax`).
+        candle_core::bail!("amp-cuda-scaled-softmax: a CUDA op applied to a CPU tensor")
+    }
+
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let what = self.name();
+        let (rows, cols, q_len) = rows_cols(l);
+        let launch = plan(Pass::Forward, rows, cols, s.dtype(), self.out)
+            .ok_or_else(|| candle_core::Error::Msg(format!("{what}: no kernel for {:?}", l.shape())))?;
+        let dev = s.device().clone();
+        let ptx = ptx_for(&dev).map_err(candle_core::Error::Msg)?;
+        let func = dev.get_or_load_custom_func(&launch.kernel, MODULE, &ptx)?;
+        let x = view(s, l, what)?;
+        let y = alloc(&dev, self.out, rows * cols, what)?;
+        // The kernels' 32-bit arguments (`plan` checked that they fit).
+        let (rows_i, cols_i, q_i) = (rows as i32, cols as i32, q_len as i32);
+        let causal = i32::from(self.causal);
+        // No padding lengths: a null `lens` pointer and its unused row count.
+        let (no_lens, rows_per_len) = (0u64, 1i32);
+        let mut b = func.builder();
+        push_in(&mut b, &x);
+        push_out(&mut b, &y);
+        b.arg(&rows_i)
+            .arg(&cols_i)
+            .arg(&q_i)
+            .arg(&self.scale)
+            .arg(&causal)
+            .arg(&no_lens)
+            .arg(&rows_per_len);
+        // SAFETY: the arguments match `AMP_FWD_ARGS` in order and type; `x` holds rows * cols
+        // values of the kernel's input type and `y` as many of its output type.
+        unsafe { b.launch(config(launch.grid, launch.block)) }.w()?;
+        drop(b);
+        Ok((wrap(y, dev), l.shape().clone()))
+    }
+
+    /// The backward kernel on the output alone, in the input's type.
+    fn bwd(&self, arg: &Tensor, res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(grad(res, grad_res, self.scale, arg.dtype())?))
+    }
+}
+
+/// The backward: `dx = scale * y * (dy - rowsum(dy * y))`, `y` and `dy` of one type.
+struct Backward {
+    scale: f32,
+    out: DType,
+}
+
+impl CustomOp2 for Backward {
+    fn name(&self) -> &'static str {
+        "amp-cuda-softmax-grad"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("amp-cuda-softmax-grad: a CUDA op applied to CPU tensors")
+    }
+
+    fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
+        let what = self.name();
+        if l1.shape() != l2.shape() || s1.dtype() != s2.dtype() {
+            candle_core::bail!(
+                "{what}: y {:?} {:?} and dy {:?} {:?}",
+                l1.shape(),
+                s1.dtype(),
+                l2.shape(),
+                s2.dtype()
+            );
+        }
+        let (rows, cols, _) = rows_cols(l1);
+        let launch = plan(Pass::Backward, rows, cols, s1.dtype(), self.out)
+            .ok_or_else(|| candle_core::Error::Msg(format!("{what}: no kernel for {:?}", l1.shape())))?;
+        let dev = s1.device().clone();
+        let ptx = ptx_for(&dev).map_err(candle_core::Error::Msg)?;
+        let func = dev.get_or_load_custom_func(&launch.kernel, MODULE, &ptx)?;
+        let (y, dy) = (view(s1, l1, what)?, view(s2, l2, what)?);
+        let dx = alloc(&dev, self.out, rows * cols, what)?;
+        let (rows_i, cols_i) = (rows as i32, cols as i32);
+        let mut b = func.builder();
+        push_in(&mut b, &y);
+        push_in(&mut b, &dy);
+        push_out(&mut b, &dx);
+        b.arg(&rows_i).arg(&cols_i).arg(&self.scale);
+        // SAFETY: the arguments match `AMP_BWD_ARGS`; `y`, `dy` and `dx` hold rows * cols values.
+        unsafe { b.launch(config(launch.grid, launch.block)) }.w()?;
+        drop(b);
+        Ok((wrap(dx, dev), l1.shape().clone()))
+    }
+}
+
+/// The softmax's input gradient from its output `res` and the output's gradient, in `out`.
+fn grad(res: &Tensor, grad_res: &Tensor, scale: f32, out: DType) -> Result<Tensor> {
+    // One type for both (they share one when candle hands the output's gradient back).
+    let (y, dy) = if res.dtype() == grad_res.dtype() {
+        (crate::kernels::dense(res)?, crate::kernels::dense(grad_res)?)
+    } else {
+        (res.to_dtype(DType::F32)?, grad_res.to_dtype(DType::F32)?)
+    };
+    y.detach().apply_op2_no_bwd(&dy.detach(), &Backward { scale, out })
+}
+
+/// [`crate::kernels::scaled_softmax`] on a CUDA device: `Ok(None)` where the kernels do not
+/// apply (another device, another type, an empty or oversized tensor, kernels that failed to
+/// load), and the caller runs the composed ops. Differentiable.
+pub(crate) fn scaled_softmax(x: &Tensor, scale: f64, causal: bool, out: DType) -> Result<Option<Tensor>> {
+    let Device::Cuda(dev) = x.device() else {
+        return Ok(None);
+    };
+    let cols = x.dims().last().copied().unwrap_or(0);
+    let rows = x.elem_count() / cols.max(1);
+    if plan(Pass::Forward, rows, cols, x.dtype(), out).is_none()
+        || plan(Pass::Backward, rows, cols, out, x.dtype()).is_none()
+        || !available(dev)
+    {
+        return Ok(None);
+    }
+    let op = Forward {
+        scale: scale as f32,
+        causal,
+        out,
+    };
+    Ok(Some(crate::kernels::dense(x)?.apply_op1(op)?))
+}
