@@ -452,6 +452,14 @@ fn plain(x: &Tensor, w: Option<&Tensor>, b: Option<&Tensor>, eps: f64, center: b
 fn norm(x: &Tensor, w: Option<&Tensor>, b: Option<&Tensor>, eps: f64, center: bool) -> Result<Tensor> {
     let on_cpu = x.device().is_cpu() && w.is_none_or(|w| w.device().is_cpu()) && b.is_none_or(|b| b.device().is_cpu());
     let types = fast(x.dtype()) && w.is_none_or(|w| fast(w.dtype())) && b.is_none_or(|b| fast(b.dtype()));
+    // On CUDA the fused kernels (kernels/cuda/norm.cu), where they load.
+    #[cfg(feature = "cuda")]
+    if super::enabled()
+        && types
+        && let Some(y) = super::cuda::norm::norm(x, w, b, eps, center)?
+    {
+        return Ok(y);
+    }
     if !(super::enabled() && on_cpu && types && x.rank() >= 1) {
         return plain(x, w, b, eps, center);
     }
