@@ -88,3 +88,15 @@ pub fn cuda_norm_loaded(device: &candle_core::Device) -> bool {
     let _ = device;
     false
 }
+
+/// Whether the CUDA cross-entropy kernels (`src/kernels/cuda/xent.cu`) are compiled and loaded
+/// on `device` (compiling and loading them if not yet): false off CUDA, without the `cuda`
+/// feature, or where they failed to load.
+pub fn cuda_xent_loaded(device: &candle_core::Device) -> bool {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        return crate::kernels::cuda::xent::available(d);
+    }
+    let _ = device;
+    false
+}

@@ -417,9 +417,20 @@ pub fn nll(log_probs: &Tensor, targets: &Tensor) -> Result<Tensor> {
 }
 
 /// Cross entropy of logits `(..., C)` against integer targets `(...)`, any rank (flattened),
-/// in the stable log-sum-exp form, in f32.
+/// in the stable log-sum-exp form, in f32. A target equal to its type's maximum is ignored
+/// (candle's rule: loss and gradient 0 for that row, still counted in the mean). On CUDA it
+/// is one fused kernel over the logits in their own type (no f32 copy of them), and a target
+/// outside `0..C` gives its row a NaN loss, which the overflow check catches (the step is
+/// skipped and the report names `"<loss>"`), instead of the CPU's error: telling it on the
+/// host would cost a read of the targets per call.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    let xs = loss_inputs("cross_entropy", &[logits])?;
+    let (xs, _) = prepare("cross_entropy", &[logits])?;
+    // On CUDA: one fused kernel over the logits in their own type (`kernels::cuda::xent`).
+    #[cfg(feature = "cuda")]
+    if let Some(loss) = kernels::cuda::xent::cross_entropy(&xs[0], targets)? {
+        return Ok(loss);
+    }
+    let xs = xs.iter().map(to_f32).collect::<Result<Vec<_>>>()?;
     let c = xs[0].dim(D::Minus1)?;
     let flat = xs[0].reshape(((), c))?;
     let t = targets.flatten_all()?;

@@ -1,0 +1,340 @@
+//! The kernels of `xent.cu` on a candle CUDA device: compiled by NVRTC, loaded into candle's
+//! context, applied as a custom op that keeps each row's maximum and sum for its backward.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchArgs, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
+use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice, DeviceId, WrapErr};
+use candle_core::{CpuStorage, CudaStorage, CustomOp2, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
+use half::{bf16, f16};
+
+use super::{SOURCE, xent_plan};
+
+/// The module's name in candle's per-device cache of custom modules.
+const MODULE: &str = "candle_amp_xent";
+/// A kernel the first load looks up, so that a module that loads but lacks it counts as failed.
+const PROBE: &str = "amp_xent_fwd_f32_u32";
+
+/// The module's PTX, or why NVRTC could not make it.
+type Compiled = std::result::Result<Arc<str>, String>;
+
+/// PTX per compute capability (NVRTC runs once per architecture per process), or why not.
+fn ptx_for(dev: &CudaDevice) -> Compiled {
+    static PTX: OnceLock<Mutex<HashMap<(i32, i32), Compiled>>> = OnceLock::new();
+    let cc = dev
+        .cuda_stream()
+        .context()
+        .compute_capability()
+        .map_err(|e| format!("compute capability: {e}"))?;
+    let mut cache = PTX
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    cache
+        .entry(cc)
+        .or_insert_with(|| {
+            let opts = CompileOptions {
+                // As the softmax's: the device's own architecture, no FMA contraction.
+                options: vec![
+                    format!("--gpu-architecture=compute_{}{}", cc.0, cc.1),
+                    "--fmad=false".into(),
+                ],
+                name: Some("candle_amp_xent.cu".into()),
+                ..Default::default()
+            };
+            compile_ptx_with_opts(SOURCE, opts)
+                .map(|p| Arc::from(p.to_src()))
+                .map_err(|e| format!("NVRTC: {e}"))
+        })
+        .clone()
+}
+
+/// Whether the kernels are loaded on `dev` (compiling and loading them on first use). A
+/// failure is logged once per device; the loss then runs as composed ops.
+pub(crate) fn available(dev: &CudaDevice) -> bool {
+    static LOADED: OnceLock<Mutex<HashMap<DeviceId, bool>>> = OnceLock::new();
+    let mut loaded = LOADED
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    *loaded.entry(dev.id()).or_insert_with(|| {
+        let r = ptx_for(dev).and_then(|ptx| {
+            dev.get_or_load_custom_func(PROBE, MODULE, &ptx)
+                .map(|_| ())
+                .map_err(|e| format!("loading the module: {e}"))
+        });
+        if let Err(e) = &r {
+            log::warn!("candle-amp: the CUDA cross-entropy kernels are unavailable ({e}); cross_entropy runs as composed candle ops");
+        }
+        r.is_ok()
+    })
+}
+
+fn offsets(l: &Layout, what: &str) -> Result<(usize, usize)> {
+    l.contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg(format!("{what}: the input must be contiguous")))
+}
+
+/// The contiguous logits as the view a kernel reads.
+enum View<'a> {
+    F32(CudaView<'a, f32>),
+    F16(CudaView<'a, f16>),
+    BF16(CudaView<'a, bf16>),
+}
+
+fn view<'a>(s: &'a CudaStorage, l: &Layout, what: &str) -> Result<View<'a>> {
+    let (a, b) = offsets(l, what)?;
+    Ok(match &s.slice {
+        CudaStorageSlice::F32(x) => View::F32(x.slice(a..b)),
+        CudaStorageSlice::F16(x) => View::F16(x.slice(a..b)),
+        CudaStorageSlice::BF16(x) => View::BF16(x.slice(a..b)),
+        _ => candle_core::bail!("{what}: {:?} logits", s.dtype()),
+    })
+}
+
+/// The contiguous targets as the view a kernel reads.
+enum Targets<'a> {
+    U8(CudaView<'a, u8>),
+    U32(CudaView<'a, u32>),
+    I64(CudaView<'a, i64>),
+}
+
+fn targets<'a>(s: &'a CudaStorage, l: &Layout, rows: usize, what: &str) -> Result<Targets<'a>> {
+    let (a, b) = offsets(l, what)?;
+    if b - a != rows {
+        candle_core::bail!("{what}: {} targets for {rows} rows", b - a)
+    }
+    Ok(match &s.slice {
+        CudaStorageSlice::U8(x) => Targets::U8(x.slice(a..b)),
+        CudaStorageSlice::U32(x) => Targets::U32(x.slice(a..b)),
+        CudaStorageSlice::I64(x) => Targets::I64(x.slice(a..b)),
+        _ => candle_core::bail!("{what}: {:?} targets", s.dtype()),
+    })
+}
+
+fn push_in<'a>(b: &mut LaunchArgs<'a>, v: &'a View<'_>) {
+    match v {
+        View::F32(x) => b.arg(x),
+        View::F16(x) => b.arg(x),
+        View::BF16(x) => b.arg(x),
+    };
+}
+
+fn push_targets<'a>(b: &mut LaunchArgs<'a>, t: &'a Targets<'_>) {
+    match t {
+        Targets::U8(x) => b.arg(x),
+        Targets::U32(x) => b.arg(x),
+        Targets::I64(x) => b.arg(x),
+    };
+}
+
+/// Rows and columns of a layout (the last dimension is the row).
+fn rows_cols(l: &Layout) -> (usize, usize) {
+    let cols = l.shape().dims().last().copied().unwrap_or(1);
+    (l.shape().elem_count() / cols.max(1), cols)
+}
+
+fn config(grid: u32, block: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid, 1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn no_kernel(what: &str, l: &Layout) -> candle_core::Error {
+    candle_core::Error::Msg(format!("{what}: no kernel for {:?}", l.shape()))
+}
+
+/// Each row's maximum and sum of exponentials, interleaved (2 f32 values per row).
+type Stats = Arc<CudaSlice<f32>>;
+
+/// The forward over `(logits (rows, cols), targets (rows,))`: the mean loss, f32, shape `()`.
+struct Forward {
+    /// Set by `cuda_fwd` and read by `bwd`.
+    stats: Mutex<Option<Stats>>,
+}
+
+impl CustomOp2 for Forward {
+    fn name(&self) -> &'static str {
+        "amp-cuda-cross-entropy"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        // Only ever applied to CUDA tensors (see `cross_entropy`).
+        candle_core::bail!("amp-cuda-cross-entropy: a CUDA op applied to CPU tensors")
+    }
+
+    fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
+        let what = self.name();
+        let (rows, cols) = rows_cols(l1);
+        let plan = xent_plan(rows, cols, s1.dtype(), s2.dtype()).ok_or_else(|| no_kernel(what, l1))?;
+        let dev = s1.device().clone();
+        let ptx = ptx_for(&dev).map_err(candle_core::Error::Msg)?;
+        let fwd = dev.get_or_load_custom_func(&plan.forward.kernel, MODULE, &ptx)?;
+        let mean = dev.get_or_load_custom_func(&plan.mean.kernel, MODULE, &ptx)?;
+        let x = view(s1, l1, what)?;
+        let t = targets(s2, l2, rows, what)?;
+        // SAFETY: the forward writes every row's log-probability, maximum and sum (thread 0
+        // of each row's block), the mean kernel the loss, before anything reads them.
+        let logp = unsafe { dev.alloc::<f32>(rows) }?;
+        let stats = unsafe { dev.alloc::<f32>(2 * rows) }?;
+        let loss = unsafe { dev.alloc::<f32>(1) }?;
+        let (rows_i, cols_i) = (rows as i32, cols as i32);
+        let mut b = fwd.builder();
+        push_in(&mut b, &x);
+        push_targets(&mut b, &t);
+        b.arg(&logp).arg(&stats).arg(&rows_i).arg(&cols_i);
+        // SAFETY: the arguments match `AMP_XENT_FWD_ARGS` in order and type; x holds
+        // rows * cols logits, targets rows values, logp rows and stats 2 * rows f32 values.
+        unsafe { b.launch(config(plan.forward.grid, plan.forward.block)) }.w()?;
+        drop(b);
+        // The mean as the composed path takes it: the sum times -1/rows rounded to f32.
+        let scale = (-1.0 / rows as f64) as f32;
+        let mut b = mean.builder();
+        b.arg(&logp).arg(&loss).arg(&rows_i).arg(&scale);
+        // SAFETY: the arguments match `AMP_XENT_MEAN_ARGS`; logp holds rows values, loss one.
+        unsafe { b.launch(config(plan.mean.grid, plan.mean.block)) }.w()?;
+        drop(b);
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(stats));
+        Ok((CudaStorage::wrap_cuda_slice(loss, dev), Shape::from(())))
+    }
+
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let stats = self
+            .stats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .ok_or_else(|| candle_core::Error::Msg("amp-cuda-cross-entropy: backward before the forward".into()))?;
+        let g = crate::kernels::dense(&g.to_dtype(DType::F32)?.reshape(1)?)?;
+        let dx = logits
+            .detach()
+            .apply_op3_no_bwd(&targets.detach(), &g, &Grad { stats })?;
+        Ok((Some(dx), None))
+    }
+}
+
+/// `dlogits` from `(logits, targets, g)` and the forward's statistics, in the logits' type.
+struct Grad {
+    stats: Stats,
+}
+
+impl CustomOp3 for Grad {
+    fn name(&self) -> &'static str {
+        "amp-cuda-cross-entropy-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("amp-cuda-cross-entropy-grad: a CUDA op applied to CPU tensors")
+    }
+
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let what = self.name();
+        let (rows, cols) = rows_cols(l1);
+        let plan = xent_plan(rows, cols, s1.dtype(), s2.dtype()).ok_or_else(|| no_kernel(what, l1))?;
+        if self.stats.len() != 2 * rows {
+            candle_core::bail!("{what}: statistics of {} values for {rows} rows", self.stats.len());
+        }
+        let dev = s1.device().clone();
+        let ptx = ptx_for(&dev).map_err(candle_core::Error::Msg)?;
+        let func = dev.get_or_load_custom_func(&plan.backward.kernel, MODULE, &ptx)?;
+        let x = view(s1, l1, what)?;
+        let t = targets(s2, l2, rows, what)?;
+        let (a, b) = offsets(l3, what)?;
+        if b - a != 1 {
+            candle_core::bail!("{what}: a loss gradient of {} values", b - a)
+        }
+        let g = s3.as_cuda_slice::<f32>()?.slice(a..b);
+        let n = rows * cols;
+        // SAFETY: the backward writes every value of every row (the grid covers every row,
+        // each block's loop every column).
+        let dx = match s1.dtype() {
+            DType::F32 => CudaStorageSlice::F32(unsafe { dev.alloc::<f32>(n) }?),
+            DType::F16 => CudaStorageSlice::F16(unsafe { dev.alloc::<f16>(n) }?),
+            DType::BF16 => CudaStorageSlice::BF16(unsafe { dev.alloc::<bf16>(n) }?),
+            other => candle_core::bail!("{what}: {other:?} logits"),
+        };
+        let (rows_i, cols_i) = (rows as i32, cols as i32);
+        let inv_rows = (1.0 / rows as f64) as f32;
+        let mut bld = func.builder();
+        push_in(&mut bld, &x);
+        push_targets(&mut bld, &t);
+        bld.arg(self.stats.as_ref()).arg(&g);
+        match &dx {
+            CudaStorageSlice::F32(d) => bld.arg(d),
+            CudaStorageSlice::F16(d) => bld.arg(d),
+            CudaStorageSlice::BF16(d) => bld.arg(d),
+            _ => unreachable!("allocated as one of the three above"),
+        };
+        bld.arg(&rows_i).arg(&cols_i).arg(&inv_rows);
+        // SAFETY: the arguments match `AMP_XENT_BWD_ARGS` in order and type; x and dx hold
+        // rows * cols values of the logits' type, targets rows, stats 2 * rows, g one.
+        unsafe { bld.launch(config(plan.backward.grid, plan.backward.block)) }.w()?;
+        drop(bld);
+        let storage = match dx {
+            CudaStorageSlice::F32(d) => CudaStorage::wrap_cuda_slice(d, dev),
+            CudaStorageSlice::F16(d) => CudaStorage::wrap_cuda_slice(d, dev),
+            CudaStorageSlice::BF16(d) => CudaStorage::wrap_cuda_slice(d, dev),
+            _ => unreachable!("allocated as one of the three above"),
+        };
+        Ok((storage, l1.shape().clone()))
+    }
+}
+
+/// [`crate::ops::cross_entropy`] on a CUDA device for logits `(..., C)` as the autocast
+/// policy left them and integer targets `(...)`: `Ok(None)` where the kernels do not apply
+/// (another device, logits or targets of another type or device, a count of targets that does
+/// not match the rows, an empty or oversized tensor, kernels that failed to load), and the
+/// caller runs the composed ops. Differentiable in the logits.
+pub(crate) fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Option<Tensor>> {
+    let Device::Cuda(dev) = logits.device() else {
+        return Ok(None);
+    };
+    let Some(&cols) = logits.dims().last() else {
+        return Ok(None);
+    };
+    let rows = logits.elem_count() / cols.max(1);
+    if targets.elem_count() != rows
+        || !targets.device().same_device(logits.device())
+        || xent_plan(rows, cols, logits.dtype(), targets.dtype()).is_none()
+        || !available(dev)
+    {
+        return Ok(None);
+    }
+    let x = crate::kernels::dense(&logits.reshape((rows, cols))?)?;
+    let t = crate::kernels::dense(&targets.flatten_all()?)?;
+    let op = Forward {
+        stats: Mutex::new(None),
+    };
+    Ok(Some(if x.track_op() {
+        x.apply_op2(&t, op)?
+    } else {
+        x.apply_op2_no_bwd(&t, &op)?
+    }))
+}
