@@ -6,111 +6,16 @@
 //! compares the library's CUDA path (the kernels, loaded by NVRTC) with its CPU path.
 
 mod common;
+#[path = "cuda_emu/mod.rs"]
+mod cuda_emu;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
-use std::sync::OnceLock;
 
 use candle_amp::testing::cuda_softmax_launch;
 use candle_core::{DType, Tensor, Var};
-use half::{bf16, f16};
 
-/// The emulator harness, built once per test binary into a temporary folder.
-fn harness() -> &'static Path {
-    static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cuda_emu-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let bin = dir.join("softmax_harness");
-        let out = Command::new("g++")
-            .args(["-std=c++20", "-O2", "-pthread", "-Wall", "-Wno-unknown-pragmas", "-I"])
-            .arg(root.join("tests/cuda_emu"))
-            .arg("-I")
-            .arg(root.join("src/kernels/cuda"))
-            .arg(root.join("tests/cuda_emu/softmax_harness.cpp"))
-            .arg("-o")
-            .arg(&bin)
-            .output()
-            .unwrap_or_else(|e| panic!("g++ is needed to build the CUDA emulator (apt-get install g++): {e}"));
-        assert!(
-            out.status.success(),
-            "g++ failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        bin
-    })
-}
-
-/// Values stored in one of the three types, as bytes and as the exact values they hold.
-fn encode(v: &[f64], dt: DType) -> (Vec<u8>, Vec<f64>) {
-    let mut bytes = Vec::new();
-    let mut held = Vec::new();
-    for &x in v {
-        match dt {
-            DType::F32 => {
-                bytes.extend((x as f32).to_le_bytes());
-                held.push(x as f32 as f64);
-            }
-            DType::F16 => {
-                let h = f16::from_f64(x);
-                bytes.extend(h.to_bits().to_le_bytes());
-                held.push(h.to_f64());
-            }
-            _ => {
-                let h = bf16::from_f64(x);
-                bytes.extend(h.to_bits().to_le_bytes());
-                held.push(h.to_f64());
-            }
-        }
-    }
-    (bytes, held)
-}
-
-fn decode(b: &[u8], dt: DType) -> Vec<f64> {
-    match dt {
-        DType::F32 => b
-            .chunks(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
-            .collect(),
-        DType::F16 => b
-            .chunks(2)
-            .map(|c| f16::from_le_bytes(c.try_into().unwrap()).to_f64())
-            .collect(),
-        _ => b
-            .chunks(2)
-            .map(|c| bf16::from_le_bytes(c.try_into().unwrap()).to_f64())
-            .collect(),
-    }
-}
-
-/// Half a unit in the last place of `dt` (its rounding), relative.
-fn eps(dt: DType) -> f64 {
-    match dt {
-        DType::F32 => 6e-8,
-        DType::F16 => 4.9e-4,
-        _ => 3.9e-3,
-    }
-}
-
-/// Half the spacing of `dt`'s subnormals: the absolute rounding error of tiny values.
-fn atol(dt: DType) -> f64 {
-    match dt {
-        DType::F16 => 2.99e-8,
-        _ => 1e-30,
-    }
-}
-
-/// Seeded values in [-lo, lo).
-fn values(n: usize, seed: u64, lo: f64) -> Vec<f64> {
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * lo
-        })
-        .collect()
-}
+use cuda_emu::{atol, decode, encode, eps, values};
 
 /// One forward case: `rows` rows of `cols`, `q_len` queries per matrix when causal, padding
 /// lengths per `rows_per_len` rows.
@@ -148,7 +53,7 @@ fn forward(c: &Fwd, x: &[f64], ti: DType, to: DType, dir: &Path) -> (f64, f64) {
         None => "-".into(),
     };
     let per = c.lens.map_or(1, |(_, p)| p);
-    let st = Command::new(harness())
+    let st = Command::new(cuda_emu::harness("softmax"))
         .args(["fwd", &kernel, &grid.to_string(), &block.to_string()])
         .args([c.rows, c.cols, c.q_len].map(|v| v.to_string()))
         .args([c.scale.to_string(), (c.causal as i32).to_string(), per.to_string()])
@@ -200,7 +105,7 @@ fn backward(c: &Fwd, y: &[f64], dy: &[f64], ti: DType, to: DType, dir: &Path) ->
     let (yp, dp, xp) = (dir.join("y"), dir.join("dy"), dir.join("dx"));
     std::fs::write(&yp, yb).unwrap();
     std::fs::write(&dp, db).unwrap();
-    let st = Command::new(harness())
+    let st = Command::new(cuda_emu::harness("softmax"))
         .args(["bwd", &kernel, &grid.to_string(), &block.to_string()])
         .args([rows.to_string(), cols.to_string(), scale.to_string()])
         .args([yp.to_str().unwrap(), dp.to_str().unwrap(), xp.to_str().unwrap()])
@@ -233,12 +138,6 @@ fn backward(c: &Fwd, y: &[f64], dy: &[f64], ti: DType, to: DType, dir: &Path) ->
 
 const TYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 
-fn scratch(name: &str) -> PathBuf {
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cuda_emu-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
 /// A softmax's output for `x` rows (f64), masked as `c` says: the backward's input.
 fn probs(c: &Fwd, x: &[f64]) -> Vec<f64> {
     let mut y = vec![0.0; x.len()];
@@ -256,7 +155,7 @@ fn probs(c: &Fwd, x: &[f64]) -> Vec<f64> {
 
 #[test]
 fn softmax_forward_and_backward_on_the_emulator() {
-    let dir = scratch("softmax");
+    let dir = cuda_emu::scratch("softmax", "softmax");
     let lens: [i32; 2] = [17, 0];
     #[rustfmt::skip]
     let cases = [
@@ -309,7 +208,7 @@ fn softmax_forward_and_backward_on_the_emulator() {
 
 #[test]
 fn non_finite_scores_on_the_emulator() {
-    let dir = scratch("nonfinite");
+    let dir = cuda_emu::scratch("softmax", "nonfinite");
     // Per row of 40 (warp kernel) and 1500 (block kernel): a NaN, a +inf, a -inf among finite
     // values (which adds nothing), every live value -inf (NaN row, as the CPU's), a -inf first.
     for cols in [40usize, 1500] {

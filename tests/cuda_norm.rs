@@ -6,102 +6,22 @@
 //! compares the library's CUDA path (the kernels, loaded by NVRTC) with its CPU path.
 
 mod common;
+#[path = "cuda_emu/mod.rs"]
+mod cuda_emu;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::sync::OnceLock;
+use std::path::Path;
 
 use candle_core::{DType, Tensor, Var};
-use half::{bf16, f16};
+
+use cuda_emu::{atol, decode, encode, eps, f32s, values};
 
 #[allow(dead_code)]
 #[path = "../src/kernels/cuda/norm_plan.rs"]
 mod plan;
 
-/// The emulator harness, built once per test binary into a temporary folder.
-fn harness() -> &'static Path {
-    static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cuda_emu_norm-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let bin = dir.join("norm_harness");
-        let out = Command::new("g++")
-            .args(["-std=c++20", "-O2", "-pthread", "-Wall", "-Wno-unknown-pragmas", "-I"])
-            .arg(root.join("tests/cuda_emu"))
-            .arg("-I")
-            .arg(root.join("src/kernels/cuda"))
-            .arg(root.join("tests/cuda_emu/norm_harness.cpp"))
-            .arg("-o")
-            .arg(&bin)
-            .output()
-            .unwrap_or_else(|e| panic!("g++ is needed to build the CUDA emulator (apt-get install g++): {e}"));
-        assert!(
-            out.status.success(),
-            "g++ failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        bin
-    })
-}
-
-/// Values stored in one of the three types, as bytes and as the exact values they hold.
-fn encode(v: &[f64], dt: DType) -> (Vec<u8>, Vec<f64>) {
-    let mut bytes = Vec::new();
-    let mut held = Vec::new();
-    for &x in v {
-        match dt {
-            DType::F32 => {
-                bytes.extend((x as f32).to_le_bytes());
-                held.push(x as f32 as f64);
-            }
-            DType::F16 => {
-                let h = f16::from_f64(x);
-                bytes.extend(h.to_bits().to_le_bytes());
-                held.push(h.to_f64());
-            }
-            _ => {
-                let h = bf16::from_f64(x);
-                bytes.extend(h.to_bits().to_le_bytes());
-                held.push(h.to_f64());
-            }
-        }
-    }
-    (bytes, held)
-}
-
-fn decode(b: &[u8], dt: DType) -> Vec<f64> {
-    match dt {
-        DType::F32 => b
-            .chunks(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
-            .collect(),
-        DType::F16 => b
-            .chunks(2)
-            .map(|c| f16::from_le_bytes(c.try_into().unwrap()).to_f64())
-            .collect(),
-        _ => b
-            .chunks(2)
-            .map(|c| bf16::from_le_bytes(c.try_into().unwrap()).to_f64())
-            .collect(),
-    }
-}
-
-/// Half a unit in the last place of `dt` (its rounding), relative.
-fn eps(dt: DType) -> f64 {
-    match dt {
-        DType::F32 => 6e-8,
-        DType::F16 => 4.9e-4,
-        _ => 3.9e-3,
-    }
-}
-
-/// Half the spacing of `dt`'s subnormals: the absolute rounding error of tiny values.
-fn atol(dt: DType) -> f64 {
-    match dt {
-        DType::F16 => 2.99e-8,
-        _ => 1e-30,
-    }
+/// Runs the harness with `args` (see [`cuda_emu::run`]).
+fn run(args: &[String]) {
+    cuda_emu::run("norm", args)
 }
 
 /// f32's relative error over a sum of `n` terms split across a warp's lanes (generous).
@@ -109,38 +29,12 @@ fn f32_sum_err(n: usize) -> f64 {
     6e-8 * (8.0 + n as f64 / 32.0 + 5.0)
 }
 
-/// Seeded values in [-lo, lo).
-fn values(n: usize, seed: u64, lo: f64) -> Vec<f64> {
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * lo
-        })
-        .collect()
-}
-
 fn f32_bytes(v: &[f64]) -> Vec<u8> {
     v.iter().flat_map(|x| (*x as f32).to_le_bytes()).collect()
 }
 
-fn f32s(b: &[u8]) -> Vec<f64> {
-    decode(b, DType::F32)
-}
-
 const TYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 const EPS: f64 = 1e-5;
-
-fn scratch(name: &str) -> PathBuf {
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cuda_emu_norm-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn run(args: &[String]) {
-    let st = Command::new(harness()).args(args).status().unwrap();
-    assert!(st.success(), "harness failed: {args:?}");
-}
 
 /// Max |error| and max error / bound of each checked output.
 #[derive(Default, Debug)]
@@ -333,7 +227,7 @@ fn case(rows: usize, cols: usize, center: bool, dt: DType, seed: u64, dir: &Path
 
 #[test]
 fn norm_forward_and_backward_on_the_emulator() {
-    let dir = scratch("norm");
+    let dir = cuda_emu::scratch("norm", "norm");
     // Rows not a multiple of the block's four; rows of one value; GPT-2's width and others;
     // enough rows for several chunks of the parameter sums (and several column tiles).
     let shapes = [(7, 1), (6, 5), (70, 33), (9, 768), (5, 1000), (3, 4096), (130, 300)];

@@ -6,85 +6,22 @@
 //! `ops::cross_entropy` on CUDA (the kernels, loaded by NVRTC) with its CPU path.
 
 mod common;
+#[path = "cuda_emu/mod.rs"]
+mod cuda_emu;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::sync::OnceLock;
+use std::path::Path;
 
 use candle_core::{DType, Tensor, Var};
-use half::{bf16, f16};
+
+use cuda_emu::{atol, decode, encode, f32s, values};
 
 #[allow(dead_code)]
 #[path = "../src/kernels/cuda/xent_plan.rs"]
 mod plan;
 
-/// The emulator harness, built once per test binary into a temporary folder.
-fn harness() -> &'static Path {
-    static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cuda_emu_xent-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let bin = dir.join("xent_harness");
-        let out = Command::new("g++")
-            .args(["-std=c++20", "-O2", "-pthread", "-Wall", "-Wno-unknown-pragmas", "-I"])
-            .arg(root.join("tests/cuda_emu"))
-            .arg("-I")
-            .arg(root.join("src/kernels/cuda"))
-            .arg(root.join("tests/cuda_emu/xent_harness.cpp"))
-            .arg("-o")
-            .arg(&bin)
-            .output()
-            .unwrap_or_else(|e| panic!("g++ is needed to build the CUDA emulator (apt-get install g++): {e}"));
-        assert!(
-            out.status.success(),
-            "g++ failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        bin
-    })
-}
-
-/// Values stored in one of the three types, as bytes and as the exact values they hold.
-fn encode(v: &[f64], dt: DType) -> (Vec<u8>, Vec<f64>) {
-    let mut bytes = Vec::new();
-    let mut held = Vec::new();
-    for &x in v {
-        match dt {
-            DType::F32 => {
-                bytes.extend((x as f32).to_le_bytes());
-                held.push(x as f32 as f64);
-            }
-            DType::F16 => {
-                let h = f16::from_f64(x);
-                bytes.extend(h.to_bits().to_le_bytes());
-                held.push(h.to_f64());
-            }
-            _ => {
-                let h = bf16::from_f64(x);
-                bytes.extend(h.to_bits().to_le_bytes());
-                held.push(h.to_f64());
-            }
-        }
-    }
-    (bytes, held)
-}
-
-fn decode(b: &[u8], dt: DType) -> Vec<f64> {
-    match dt {
-        DType::F32 => b
-            .chunks(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
-            .collect(),
-        DType::F16 => b
-            .chunks(2)
-            .map(|c| f16::from_le_bytes(c.try_into().unwrap()).to_f64())
-            .collect(),
-        _ => b
-            .chunks(2)
-            .map(|c| bf16::from_le_bytes(c.try_into().unwrap()).to_f64())
-            .collect(),
-    }
+/// Runs the harness with `args` (see [`cuda_emu::run`]).
+fn run(args: &[String]) {
+    cuda_emu::run("xent", args)
 }
 
 /// Targets as the kernels read them: little-endian u8, u32 or i64.
@@ -114,44 +51,10 @@ fn eps(dt: DType) -> f64 {
     }
 }
 
-/// Half the spacing of `dt`'s subnormals: the absolute rounding error of tiny values.
-fn atol(dt: DType) -> f64 {
-    match dt {
-        DType::F16 => 2.99e-8,
-        _ => 1e-30,
-    }
-}
-
 /// f32's relative error over a row's sum of exponentials: each thread's strided terms, then a
 /// block tree, plus the exponentials' own few ulps (generous).
 fn f32_row_err(cols: usize, block: usize) -> f64 {
     6e-8 * (16.0 + (cols / block) as f64 + 10.0)
-}
-
-/// Seeded values in [-lo, lo).
-fn values(n: usize, seed: u64, lo: f64) -> Vec<f64> {
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * lo
-        })
-        .collect()
-}
-
-fn f32s(b: &[u8]) -> Vec<f64> {
-    decode(b, DType::F32)
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cuda_emu_xent-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn run(args: &[String]) {
-    let st = Command::new(harness()).args(args).status().unwrap();
-    assert!(st.success(), "harness failed: {args:?}");
 }
 
 /// What the emulator gave for one cross entropy: the loss, each row's log-probability and
@@ -224,7 +127,7 @@ fn case(rows: usize, cols: usize, dt: DType, tdt: DType, lo: f64, seed: u64) -> 
         t[1] = ignored(tdt);
     }
     let g = 0.75f32;
-    let dir = scratch(&format!("{rows}x{cols}-{dt:?}-{tdt:?}"));
+    let dir = cuda_emu::scratch("xent", &format!("{rows}x{cols}-{dt:?}-{tdt:?}"));
     let got = emulate(&xb, &target_bytes(&t, tdt), (rows, cols), (dt, tdt), g, &dir);
     let rerr = f32_row_err(cols, block);
     let gn = g as f64 / rows as f64;
@@ -313,7 +216,7 @@ fn out_of_range_targets_give_nan() {
         let (xb, _) = encode(&values(rows * cols, 5, 3.0), DType::F32);
         let mut t = vec![0i64, 3, 8, 2];
         t[2] = if tdt == DType::I64 { -1 } else { cols as i64 };
-        let dir = scratch(&format!("oor-{tdt:?}"));
+        let dir = cuda_emu::scratch("xent", &format!("oor-{tdt:?}"));
         let got = emulate(&xb, &target_bytes(&t, tdt), (rows, cols), (DType::F32, tdt), 1.0, &dir);
         assert!(got.loss.is_nan(), "{tdt:?}: loss {}", got.loss);
         for r in 0..rows {

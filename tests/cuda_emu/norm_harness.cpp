@@ -10,12 +10,7 @@
 #include "emu.h"
 #include "norm.cu"
 
-#include <cstdio>
-#include <cstdlib>
-#include <fstream>
-#include <iterator>
-#include <map>
-#include <string>
+#include "harness.h"
 
 typedef void (*FwdFn)(AMP_NORM_FWD_ARGS);
 typedef void (*DxFn)(AMP_NORM_DX_ARGS);
@@ -27,24 +22,6 @@ typedef void (*PartFn)(AMP_NORM_PART_ARGS);
 static const std::map<std::string, FwdFn> kFwd = {AMP_NORM_TYPES(FWD)};
 static const std::map<std::string, DxFn> kDx = {AMP_NORM_TYPES(DX)};
 static const std::map<std::string, PartFn> kPart = {AMP_NORM_TYPES(PART)};
-
-static std::vector<char> read_file(const char* path) {
-    std::ifstream f(path, std::ios::binary);
-    if (!f) {
-        std::fprintf(stderr, "cannot read %s\n", path);
-        std::exit(2);
-    }
-    return std::vector<char>(std::istreambuf_iterator<char>(f), {});
-}
-
-static void write_file(const char* path, const std::vector<char>& v) {
-    std::ofstream f(path, std::ios::binary);
-    f.write(v.data(), (std::streamsize)v.size());
-    if (!f) {
-        std::fprintf(stderr, "cannot write %s\n", path);
-        std::exit(2);
-    }
-}
 
 template <typename F>
 static F find(const std::map<std::string, F>& m, const std::string& k) {

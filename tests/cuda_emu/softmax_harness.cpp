@@ -7,12 +7,7 @@
 #include "emu.h"
 #include "softmax.cu"
 
-#include <cstdio>
-#include <cstdlib>
-#include <fstream>
-#include <iterator>
-#include <map>
-#include <string>
+#include "harness.h"
 
 typedef void (*FwdFn)(AMP_FWD_ARGS);
 typedef void (*BwdFn)(AMP_BWD_ARGS);
@@ -26,24 +21,6 @@ typedef void (*BwdFn)(AMP_BWD_ARGS);
 
 static const std::map<std::string, FwdFn> kFwd = {AMP_SOFTMAX_WARP_SIZES(FWD_WS, _) AMP_SOFTMAX_TYPES(FWD_B, _)};
 static const std::map<std::string, BwdFn> kBwd = {AMP_SOFTMAX_WARP_SIZES(BWD_WS, _) AMP_SOFTMAX_TYPES(BWD_B, _)};
-
-static std::vector<char> read_file(const char* path) {
-    std::ifstream f(path, std::ios::binary);
-    if (!f) {
-        std::fprintf(stderr, "cannot read %s\n", path);
-        std::exit(2);
-    }
-    return std::vector<char>(std::istreambuf_iterator<char>(f), {});
-}
-
-static void write_file(const char* path, const std::vector<char>& v) {
-    std::ofstream f(path, std::ios::binary);
-    f.write(v.data(), (std::streamsize)v.size());
-    if (!f) {
-        std::fprintf(stderr, "cannot write %s\n", path);
-        std::exit(2);
-    }
-}
 
 // The output type is the kernel name's last part.
 static size_t out_bytes(const std::string& kernel) {

@@ -7,12 +7,7 @@
 #include "emu.h"
 #include "xent.cu"
 
-#include <cstdio>
-#include <cstdlib>
-#include <fstream>
-#include <iterator>
-#include <map>
-#include <string>
+#include "harness.h"
 
 typedef void (*FwdFn)(AMP_XENT_FWD_ARGS);
 typedef void (*BwdFn)(AMP_XENT_BWD_ARGS);
@@ -22,24 +17,6 @@ typedef void (*BwdFn)(AMP_XENT_BWD_ARGS);
 
 static const std::map<std::string, FwdFn> kFwd = {AMP_XENT_TYPES(FWD, _)};
 static const std::map<std::string, BwdFn> kBwd = {AMP_XENT_TYPES(BWD, _)};
-
-static std::vector<char> read_file(const char* path) {
-    std::ifstream f(path, std::ios::binary);
-    if (!f) {
-        std::fprintf(stderr, "cannot read %s\n", path);
-        std::exit(2);
-    }
-    return std::vector<char>(std::istreambuf_iterator<char>(f), {});
-}
-
-static void write_file(const char* path, const std::vector<char>& v) {
-    std::ofstream f(path, std::ios::binary);
-    f.write(v.data(), (std::streamsize)v.size());
-    if (!f) {
-        std::fprintf(stderr, "cannot write %s\n", path);
-        std::exit(2);
-    }
-}
 
 // The logits' type is the kernel name's part after "amp_xent_xxx_".
 static size_t elem_bytes(const std::string& kernel) { return kernel.compare(13, 4, "f32_") == 0 ? 4 : 2; }

@@ -11,7 +11,7 @@
 //
 // w and b are f32 (the library widens half parameters first; a missing one is ones/zeros).
 // Compiled at run time by NVRTC (norm_device.rs) and, unmodified, by g++ with the CPU grid
-// emulator (tests/cuda_emu/emu.h). It includes no header (see softmax.cu).
+// emulator (tests/cuda_emu/emu.h). It includes only prelude.cuh (see softmax.cu).
 //
 // Kernels (extern "C"; {t} is f32, f16 or bf16, x's type):
 //   amp_norm_fwd_{t}:     one warp per row, any cols, blockDim.x / 32 rows per block;
@@ -20,54 +20,7 @@
 //   amp_norm_wb_sum:      one thread per value of the (2, cols) result.
 // The launch plan is src/kernels/cuda/norm_plan.rs.
 
-struct amp_f16 {
-    unsigned short bits;
-};
-struct amp_bf16 {
-    unsigned short bits;
-};
-
-__device__ __forceinline__ float amp_to_f32(float v) { return v; }
-__device__ __forceinline__ float amp_to_f32(amp_bf16 v) { return __uint_as_float(((unsigned int)v.bits) << 16); }
-__device__ __forceinline__ float amp_to_f32(amp_f16 v) {
-#ifdef __CUDA_ARCH__
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
-    return f;
-#else
-    return amp_host_f16_to_f32(v.bits);
-#endif
-}
-
-template <typename T> __device__ __forceinline__ T amp_from_f32(float v);
-template <> __device__ __forceinline__ float amp_from_f32<float>(float v) { return v; }
-// Round to nearest even, NaN kept quiet with its sign (the `half` crate's bf16::from_f32).
-template <> __device__ __forceinline__ amp_bf16 amp_from_f32<amp_bf16>(float v) {
-    unsigned int u = __float_as_uint(v);
-    amp_bf16 r;
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-        r.bits = (unsigned short)((u >> 16) | 0x0040u);
-    } else {
-        r.bits = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-    }
-    return r;
-}
-template <> __device__ __forceinline__ amp_f16 amp_from_f32<amp_f16>(float v) {
-    amp_f16 r;
-#ifdef __CUDA_ARCH__
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(v));
-#else
-    r.bits = amp_host_f32_to_f16(v);
-#endif
-    return r;
-}
-
-// Butterfly sum: every lane ends with the warp's total.
-__device__ __forceinline__ float amp_norm_warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
+#include "prelude.cuh"
 
 // One warp per row; the row is read three times (sum, squared deviations, write), the second
 // and third from L1/L2. Two passes for the variance, as the CPU op (no E[x²] - mean²).
@@ -86,14 +39,14 @@ __device__ __forceinline__ void amp_norm_fwd(const T* __restrict__ x, T* __restr
     if (center) {
         float s = 0.0f;
         for (int j = lane; j < cols; j += 32) s += amp_to_f32(xr[j]);
-        mean = amp_norm_warp_sum(s) / n;
+        mean = amp_warp_sum(s) / n;
     }
     float v = 0.0f;
     for (int j = lane; j < cols; j += 32) {
         const float d = amp_to_f32(xr[j]) - mean;
         v += d * d;
     }
-    const float var = amp_norm_warp_sum(v) / n;
+    const float var = amp_warp_sum(v) / n;
     const float rstd = 1.0f / sqrtf(var + eps);
     for (int j = lane; j < cols; j += 32) {
         yr[j] = amp_from_f32<T>((amp_to_f32(xr[j]) - mean) * rstd * w[j] + b[j]);
@@ -124,8 +77,8 @@ __device__ __forceinline__ void amp_norm_dx(const T* __restrict__ x, const T* __
         sgh += g * h;
     }
     const float n = (float)cols;
-    const float mg = center ? amp_norm_warp_sum(sg) / n : 0.0f;
-    const float mgh = amp_norm_warp_sum(sgh) / n;
+    const float mg = center ? amp_warp_sum(sg) / n : 0.0f;
+    const float mgh = amp_warp_sum(sgh) / n;
     for (int j = lane; j < cols; j += 32) {
         const float h = (amp_to_f32(xr[j]) - mean) * rstd;
         const float g = amp_to_f32(dr[j]) * w[j];

@@ -1,77 +1,29 @@
 //! The kernels of `norm.cu` on a candle CUDA device: compiled by NVRTC, loaded into candle's
 //! context, applied as a custom op that keeps the rows' statistics for its backward.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchArgs, LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
-use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice, DeviceId, WrapErr};
+use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice, WrapErr};
 use candle_core::{CpuStorage, CudaStorage, CustomOp2, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
 
 use super::{SOURCE, norm_plan};
+use crate::kernels::cuda::nvrtc::Kernels;
 
-/// The module's name in candle's per-device cache of custom modules.
-const MODULE: &str = "candle_amp_norm";
-/// A kernel the first load looks up, so that a module that loads but lacks it counts as failed.
-const PROBE: &str = "amp_norm_fwd_f32";
+/// The kernels of `norm.cu`: NVRTC's PTX and the module loaded per device.
+static KERNELS: Kernels = Kernels::new(
+    "candle_amp_norm",
+    SOURCE,
+    "amp_norm_fwd_f32",
+    "norm",
+    "layer and RMS norms run",
+);
 
-/// The module's PTX, or why NVRTC could not make it.
-type Compiled = std::result::Result<Arc<str>, String>;
-
-/// PTX per compute capability (NVRTC runs once per architecture per process), or why not.
-fn ptx_for(dev: &CudaDevice) -> Compiled {
-    static PTX: OnceLock<Mutex<HashMap<(i32, i32), Compiled>>> = OnceLock::new();
-    let cc = dev
-        .cuda_stream()
-        .context()
-        .compute_capability()
-        .map_err(|e| format!("compute capability: {e}"))?;
-    let mut cache = PTX
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
-    cache
-        .entry(cc)
-        .or_insert_with(|| {
-            let opts = CompileOptions {
-                // As the softmax's: the device's own architecture, no FMA contraction, so the
-                // arithmetic rounds as the CPU op's does.
-                options: vec![
-                    format!("--gpu-architecture=compute_{}{}", cc.0, cc.1),
-                    "--fmad=false".into(),
-                ],
-                name: Some("candle_amp_norm.cu".into()),
-                ..Default::default()
-            };
-            compile_ptx_with_opts(SOURCE, opts)
-                .map(|p| Arc::from(p.to_src()))
-                .map_err(|e| format!("NVRTC: {e}"))
-        })
-        .clone()
-}
-
-/// Whether the kernels are loaded on `dev` (compiling and loading them on first use). A
-/// failure is logged once per device; the norms then run as composed ops.
+/// Whether the kernels are loaded on `dev` (see [`Kernels::available`]).
 pub(crate) fn available(dev: &CudaDevice) -> bool {
-    static LOADED: OnceLock<Mutex<HashMap<DeviceId, bool>>> = OnceLock::new();
-    let mut loaded = LOADED
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
-    *loaded.entry(dev.id()).or_insert_with(|| {
-        let r = ptx_for(dev).and_then(|ptx| {
-            dev.get_or_load_custom_func(PROBE, MODULE, &ptx)
-                .map(|_| ())
-                .map_err(|e| format!("loading the module: {e}"))
-        });
-        if let Err(e) = &r {
-            log::warn!("candle-amp: the CUDA norm kernels are unavailable ({e}); layer and RMS norms run as composed candle ops");
-        }
-        r.is_ok()
-    })
+    KERNELS.available(dev)
 }
 
 /// A contiguous activation (x, dy) as the view a kernel reads.
@@ -207,8 +159,8 @@ impl CustomOp3 for Forward {
         let (rows, cols) = rows_cols(l1);
         let plan = norm_plan(rows, cols, s1.dtype()).ok_or_else(|| no_kernel(what, l1))?;
         let dev = s1.device().clone();
-        let ptx = ptx_for(&dev).map_err(candle_core::Error::Msg)?;
-        let func = dev.get_or_load_custom_func(&plan.forward.kernel, MODULE, &ptx)?;
+        let ptx = KERNELS.ptx(&dev).map_err(candle_core::Error::Msg)?;
+        let func = dev.get_or_load_custom_func(&plan.forward.kernel, KERNELS.module, &ptx)?;
         let x = view(s1, l1, what)?;
         let (w, b) = (param(s2, l2, cols, what)?, param(s3, l3, cols, what)?);
         let y = alloc(&dev, s1.dtype(), rows * cols, what)?;
@@ -324,8 +276,8 @@ impl CustomOp3 for GradX {
             candle_core::bail!("{what}: statistics of {} values for {rows} rows", self.stats.len());
         }
         let dev = s1.device().clone();
-        let ptx = ptx_for(&dev).map_err(candle_core::Error::Msg)?;
-        let func = dev.get_or_load_custom_func(&plan.dx.kernel, MODULE, &ptx)?;
+        let ptx = KERNELS.ptx(&dev).map_err(candle_core::Error::Msg)?;
+        let func = dev.get_or_load_custom_func(&plan.dx.kernel, KERNELS.module, &ptx)?;
         let (x, dy) = (view(s1, l1, what)?, view(s3, l3, what)?);
         let w = param(s2, l2, cols, what)?;
         let (mean, rstd) = (self.stats.slice(0..rows), self.stats.slice(rows..2 * rows));
@@ -376,9 +328,9 @@ impl CustomOp2 for GradWB {
             candle_core::bail!("{what}: statistics of {} values for {rows} rows", self.stats.len());
         }
         let dev = s1.device().clone();
-        let ptx = ptx_for(&dev).map_err(candle_core::Error::Msg)?;
-        let part_fn = dev.get_or_load_custom_func(&plan.wb_part.kernel, MODULE, &ptx)?;
-        let sum_fn = dev.get_or_load_custom_func(&plan.wb_sum.kernel, MODULE, &ptx)?;
+        let ptx = KERNELS.ptx(&dev).map_err(candle_core::Error::Msg)?;
+        let part_fn = dev.get_or_load_custom_func(&plan.wb_part.kernel, KERNELS.module, &ptx)?;
+        let sum_fn = dev.get_or_load_custom_func(&plan.wb_sum.kernel, KERNELS.module, &ptx)?;
         let (x, dy) = (view(s1, l1, what)?, view(s2, l2, what)?);
         let (mean, rstd) = (self.stats.slice(0..rows), self.stats.slice(rows..2 * rows));
         // SAFETY: the partial kernel writes both sums of every column for every chunk, and the

@@ -1,78 +1,27 @@
 //! The kernels of `softmax.cu` on a candle CUDA device: compiled by NVRTC, loaded into
 //! candle's context, applied as custom ops whose backward is the backward kernel.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
-
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchArgs, LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
-use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice, DeviceId, WrapErr};
+use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice, WrapErr};
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
 
 use super::{Pass, SOURCE, plan};
+use crate::kernels::cuda::nvrtc::Kernels;
 
-/// The module's name in candle's per-device cache of custom modules.
-const MODULE: &str = "candle_amp_softmax";
-/// A kernel the first load looks up, so that a module that loads but lacks it counts as failed.
-const PROBE: &str = "amp_softmax_fwd_w2_f32_f32";
+/// The kernels of `softmax.cu`: NVRTC's PTX and the module loaded per device.
+static KERNELS: Kernels = Kernels::new(
+    "candle_amp_softmax",
+    SOURCE,
+    "amp_softmax_fwd_w2_f32_f32",
+    "softmax",
+    "attention's softmax runs",
+);
 
-/// The module's PTX, or why NVRTC could not make it.
-type Compiled = std::result::Result<Arc<str>, String>;
-
-/// PTX per compute capability (NVRTC runs once per architecture per process), or why not.
-fn ptx_for(dev: &CudaDevice) -> Compiled {
-    static PTX: OnceLock<Mutex<HashMap<(i32, i32), Compiled>>> = OnceLock::new();
-    let cc = dev
-        .cuda_stream()
-        .context()
-        .compute_capability()
-        .map_err(|e| format!("compute capability: {e}"))?;
-    let mut cache = PTX
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
-    cache
-        .entry(cc)
-        .or_insert_with(|| {
-            let opts = CompileOptions {
-                // The device's own virtual architecture: its driver JIT-compiles the PTX once
-                // at load. No fused multiply-add, so the arithmetic rounds as the CPU kernel's
-                // does (the kernels are memory-bound: FMA would save nothing).
-                options: vec![
-                    format!("--gpu-architecture=compute_{}{}", cc.0, cc.1),
-                    "--fmad=false".into(),
-                ],
-                name: Some("candle_amp_softmax.cu".into()),
-                ..Default::default()
-            };
-            compile_ptx_with_opts(SOURCE, opts)
-                .map(|p| Arc::from(p.to_src()))
-                .map_err(|e| format!("NVRTC: {e}"))
-        })
-        .clone()
-}
-
-/// Whether the kernels are loaded on `dev` (compiling and loading them on first use). A
-/// failure is logged once per device; the callers then keep the composed ops.
+/// Whether the kernels are loaded on `dev` (see [`Kernels::available`]).
 pub(crate) fn available(dev: &CudaDevice) -> bool {
-    static LOADED: OnceLock<Mutex<HashMap<DeviceId, bool>>> = OnceLock::new();
-    let mut loaded = LOADED
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
-    *loaded.entry(dev.id()).or_insert_with(|| {
-        let r = ptx_for(dev).and_then(|ptx| {
-            dev.get_or_load_custom_func(PROBE, MODULE, &ptx)
-                .map(|_| ())
-                .map_err(|e| format!("loading the module: {e}"))
-        });
-        if let Err(e) = &r {
-            log::warn!("candle-amp: the CUDA softmax kernels are unavailable ({e}); attention's softmax runs as composed candle ops");
-        }
-        r.is_ok()
-    })
+    KERNELS.available(dev)
 }
 
 /// A contiguous input as the view a kernel reads.
@@ -175,8 +124,8 @@ impl CustomOp1 for Forward {
         let launch = plan(Pass::Forward, rows, cols, s.dtype(), self.out)
             .ok_or_else(|| candle_core::Error::Msg(format!("{what}: no kernel for {:?}", l.shape())))?;
         let dev = s.device().clone();
-        let ptx = ptx_for(&dev).map_err(candle_core::Error::Msg)?;
-        let func = dev.get_or_load_custom_func(&launch.kernel, MODULE, &ptx)?;
+        let ptx = KERNELS.ptx(&dev).map_err(candle_core::Error::Msg)?;
+        let func = dev.get_or_load_custom_func(&launch.kernel, KERNELS.module, &ptx)?;
         let x = view(s, l, what)?;
         let y = alloc(&dev, self.out, rows * cols, what)?;
         // The kernels' 32-bit arguments (`plan` checked that they fit).
@@ -237,8 +186,8 @@ impl CustomOp2 for Backward {
         let launch = plan(Pass::Backward, rows, cols, s1.dtype(), self.out)
             .ok_or_else(|| candle_core::Error::Msg(format!("{what}: no kernel for {:?}", l1.shape())))?;
         let dev = s1.device().clone();
-        let ptx = ptx_for(&dev).map_err(candle_core::Error::Msg)?;
-        let func = dev.get_or_load_custom_func(&launch.kernel, MODULE, &ptx)?;
+        let ptx = KERNELS.ptx(&dev).map_err(candle_core::Error::Msg)?;
+        let func = dev.get_or_load_custom_func(&launch.kernel, KERNELS.module, &ptx)?;
         let (y, dy) = (view(s1, l1, what)?, view(s2, l2, what)?);
         let dx = alloc(&dev, self.out, rows * cols, what)?;
         let (rows_i, cols_i) = (rows as i32, cols as i32);
