@@ -5,6 +5,8 @@
 //! classes, forward and backward), built and loaded through `nvrtc.rs` from a shared
 //! `prelude.cuh`.
 
+#[cfg(feature = "cuda")]
+pub(crate) mod buffers;
 pub(crate) mod norm;
 #[cfg(feature = "cuda")]
 mod nvrtc;

@@ -4,12 +4,12 @@
 use std::sync::{Arc, Mutex};
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchArgs, LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice, WrapErr};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, PushKernelArg};
+use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::{CpuStorage, CudaStorage, CustomOp2, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
-use half::{bf16, f16};
 
 use super::{SOURCE, norm_plan};
+use crate::kernels::cuda::buffers::{alloc, config, no_kernel, offsets, push_in, push_out, view, wrap};
 use crate::kernels::cuda::nvrtc::Kernels;
 
 /// The kernels of `norm.cu`: NVRTC's PTX and the module loaded per device.
@@ -26,28 +26,6 @@ pub(crate) fn available(dev: &CudaDevice) -> bool {
     KERNELS.available(dev)
 }
 
-/// A contiguous activation (x, dy) as the view a kernel reads.
-enum View<'a> {
-    F32(CudaView<'a, f32>),
-    F16(CudaView<'a, f16>),
-    BF16(CudaView<'a, bf16>),
-}
-
-fn offsets(l: &Layout, what: &str) -> Result<(usize, usize)> {
-    l.contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg(format!("{what}: the input must be contiguous")))
-}
-
-fn view<'a>(s: &'a CudaStorage, l: &Layout, what: &str) -> Result<View<'a>> {
-    let (a, b) = offsets(l, what)?;
-    Ok(match &s.slice {
-        CudaStorageSlice::F32(x) => View::F32(x.slice(a..b)),
-        CudaStorageSlice::F16(x) => View::F16(x.slice(a..b)),
-        CudaStorageSlice::BF16(x) => View::BF16(x.slice(a..b)),
-        _ => candle_core::bail!("{what}: {:?} input", s.dtype()),
-    })
-}
-
 /// A contiguous f32 parameter of exactly `n` values.
 fn param<'a>(s: &'a CudaStorage, l: &Layout, n: usize, what: &str) -> Result<CudaView<'a, f32>> {
     let (a, b) = offsets(l, what)?;
@@ -57,64 +35,10 @@ fn param<'a>(s: &'a CudaStorage, l: &Layout, n: usize, what: &str) -> Result<Cud
     Ok(s.as_cuda_slice::<f32>()?.slice(a..b))
 }
 
-/// A fresh buffer of `n` values of `dt`, written whole by the kernel it is given to.
-enum Out {
-    F32(CudaSlice<f32>),
-    F16(CudaSlice<f16>),
-    BF16(CudaSlice<bf16>),
-}
-
-fn alloc(dev: &CudaDevice, dt: DType, n: usize, what: &str) -> Result<Out> {
-    // SAFETY: the forward and dx kernels write every value of every row (the grid covers
-    // every row, each warp's loop every column) before the buffer is read.
-    Ok(match dt {
-        DType::F32 => Out::F32(unsafe { dev.alloc::<f32>(n) }?),
-        DType::F16 => Out::F16(unsafe { dev.alloc::<f16>(n) }?),
-        DType::BF16 => Out::BF16(unsafe { dev.alloc::<bf16>(n) }?),
-        other => candle_core::bail!("{what}: {other:?} output"),
-    })
-}
-
-fn push_in<'a>(b: &mut LaunchArgs<'a>, v: &'a View<'_>) {
-    match v {
-        View::F32(x) => b.arg(x),
-        View::F16(x) => b.arg(x),
-        View::BF16(x) => b.arg(x),
-    };
-}
-
-fn push_out<'a>(b: &mut LaunchArgs<'a>, o: &'a Out) {
-    match o {
-        Out::F32(x) => b.arg(x),
-        Out::F16(x) => b.arg(x),
-        Out::BF16(x) => b.arg(x),
-    };
-}
-
-fn wrap(o: Out, dev: CudaDevice) -> CudaStorage {
-    match o {
-        Out::F32(x) => CudaStorage::wrap_cuda_slice(x, dev),
-        Out::F16(x) => CudaStorage::wrap_cuda_slice(x, dev),
-        Out::BF16(x) => CudaStorage::wrap_cuda_slice(x, dev),
-    }
-}
-
 /// Rows and columns of a layout (the last dimension is the row).
 fn rows_cols(l: &Layout) -> (usize, usize) {
     let cols = l.shape().dims().last().copied().unwrap_or(1);
     (l.shape().elem_count() / cols.max(1), cols)
-}
-
-fn config(grid: u32, block: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (grid, 1, 1),
-        block_dim: (block, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-fn no_kernel(what: &str, l: &Layout) -> candle_core::Error {
-    candle_core::Error::Msg(format!("{what}: no kernel for {:?}", l.shape()))
 }
 
 /// The rows' statistics: `rows` means, then `rows` reciprocal standard deviations (f32).

@@ -2,12 +2,12 @@
 //! candle's context, applied as custom ops whose backward is the backward kernel.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchArgs, LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice, WrapErr};
+use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Tensor};
-use half::{bf16, f16};
 
 use super::{Pass, SOURCE, plan};
+use crate::kernels::cuda::buffers::{alloc, config, push_in, push_out, view, wrap};
 use crate::kernels::cuda::nvrtc::Kernels;
 
 /// The kernels of `softmax.cu`: NVRTC's PTX and the module loaded per device.
@@ -24,81 +24,12 @@ pub(crate) fn available(dev: &CudaDevice) -> bool {
     KERNELS.available(dev)
 }
 
-/// A contiguous input as the view a kernel reads.
-enum View<'a> {
-    F32(CudaView<'a, f32>),
-    F16(CudaView<'a, f16>),
-    BF16(CudaView<'a, bf16>),
-}
-
-fn view<'a>(s: &'a CudaStorage, l: &Layout, what: &str) -> Result<View<'a>> {
-    let (a, b) = l
-        .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg(format!("{what}: the input must be contiguous")))?;
-    Ok(match &s.slice {
-        CudaStorageSlice::F32(x) => View::F32(x.slice(a..b)),
-        CudaStorageSlice::F16(x) => View::F16(x.slice(a..b)),
-        CudaStorageSlice::BF16(x) => View::BF16(x.slice(a..b)),
-        _ => candle_core::bail!("{what}: {:?} input", s.dtype()),
-    })
-}
-
-/// A fresh output buffer of `n` values of `dt` (written whole by the kernel).
-enum Out {
-    F32(CudaSlice<f32>),
-    F16(CudaSlice<f16>),
-    BF16(CudaSlice<bf16>),
-}
-
-fn alloc(dev: &CudaDevice, dt: DType, n: usize, what: &str) -> Result<Out> {
-    // SAFETY: every kernel writes every value of its output (masked ones as 0) before the
-    // buffer is read: the grid covers every row and each row's loop every column.
-    Ok(match dt {
-        DType::F32 => Out::F32(unsafe { dev.alloc::<f32>(n) }?),
-        DType::F16 => Out::F16(unsafe { dev.alloc::<f16>(n) }?),
-        DType::BF16 => Out::BF16(unsafe { dev.alloc::<bf16>(n) }?),
-        other => candle_core::bail!("{what}: {other:?} output"),
-    })
-}
-
-fn push_in<'a>(b: &mut LaunchArgs<'a>, v: &'a View<'_>) {
-    match v {
-        View::F32(x) => b.arg(x),
-        View::F16(x) => b.arg(x),
-        View::BF16(x) => b.arg(x),
-    };
-}
-
-fn push_out<'a>(b: &mut LaunchArgs<'a>, o: &'a Out) {
-    match o {
-        Out::F32(x) => b.arg(x),
-        Out::F16(x) => b.arg(x),
-        Out::BF16(x) => b.arg(x),
-    };
-}
-
-fn wrap(o: Out, dev: CudaDevice) -> CudaStorage {
-    match o {
-        Out::F32(x) => CudaStorage::wrap_cuda_slice(x, dev),
-        Out::F16(x) => CudaStorage::wrap_cuda_slice(x, dev),
-        Out::BF16(x) => CudaStorage::wrap_cuda_slice(x, dev),
-    }
-}
-
 /// Rows, columns and queries per matrix of a layout (its last two dimensions).
 fn rows_cols(l: &Layout) -> (usize, usize, usize) {
     let dims = l.shape().dims();
     let cols = dims.last().copied().unwrap_or(1);
     let q = if dims.len() >= 2 { dims[dims.len() - 2] } else { 1 };
     (l.shape().elem_count() / cols.max(1), cols, q)
-}
-
-fn config(grid: u32, block: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (grid, 1, 1),
-        block_dim: (block, 1, 1),
-        shared_mem_bytes: 0,
-    }
 }
 
 /// The forward: `softmax(x * scale)` over the last dimension, causal if asked, into `out`.

@@ -4,12 +4,13 @@
 use std::sync::{Arc, Mutex};
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchArgs, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchArgs, PushKernelArg};
 use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice, WrapErr};
 use candle_core::{CpuStorage, CudaStorage, CustomOp2, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
 
 use super::{SOURCE, xent_plan};
+use crate::kernels::cuda::buffers::{config, no_kernel, offsets, push_in, view};
 use crate::kernels::cuda::nvrtc::Kernels;
 
 /// The kernels of `xent.cu`: NVRTC's PTX and the module loaded per device.
@@ -24,28 +25,6 @@ static KERNELS: Kernels = Kernels::new(
 /// Whether the kernels are loaded on `dev` (see [`Kernels::available`]).
 pub(crate) fn available(dev: &CudaDevice) -> bool {
     KERNELS.available(dev)
-}
-
-fn offsets(l: &Layout, what: &str) -> Result<(usize, usize)> {
-    l.contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg(format!("{what}: the input must be contiguous")))
-}
-
-/// The contiguous logits as the view a kernel reads.
-enum View<'a> {
-    F32(CudaView<'a, f32>),
-    F16(CudaView<'a, f16>),
-    BF16(CudaView<'a, bf16>),
-}
-
-fn view<'a>(s: &'a CudaStorage, l: &Layout, what: &str) -> Result<View<'a>> {
-    let (a, b) = offsets(l, what)?;
-    Ok(match &s.slice {
-        CudaStorageSlice::F32(x) => View::F32(x.slice(a..b)),
-        CudaStorageSlice::F16(x) => View::F16(x.slice(a..b)),
-        CudaStorageSlice::BF16(x) => View::BF16(x.slice(a..b)),
-        _ => candle_core::bail!("{what}: {:?} logits", s.dtype()),
-    })
 }
 
 /// The contiguous targets as the view a kernel reads.
@@ -68,14 +47,6 @@ fn targets<'a>(s: &'a CudaStorage, l: &Layout, rows: usize, what: &str) -> Resul
     })
 }
 
-fn push_in<'a>(b: &mut LaunchArgs<'a>, v: &'a View<'_>) {
-    match v {
-        View::F32(x) => b.arg(x),
-        View::F16(x) => b.arg(x),
-        View::BF16(x) => b.arg(x),
-    };
-}
-
 fn push_targets<'a>(b: &mut LaunchArgs<'a>, t: &'a Targets<'_>) {
     match t {
         Targets::U8(x) => b.arg(x),
@@ -88,18 +59,6 @@ fn push_targets<'a>(b: &mut LaunchArgs<'a>, t: &'a Targets<'_>) {
 fn rows_cols(l: &Layout) -> (usize, usize) {
     let cols = l.shape().dims().last().copied().unwrap_or(1);
     (l.shape().elem_count() / cols.max(1), cols)
-}
-
-fn config(grid: u32, block: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (grid, 1, 1),
-        block_dim: (block, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-fn no_kernel(what: &str, l: &Layout) -> candle_core::Error {
-    candle_core::Error::Msg(format!("{what}: no kernel for {:?}", l.shape()))
 }
 
 /// Each row's maximum and sum of exponentials, interleaved (2 f32 values per row).
