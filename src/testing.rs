@@ -51,6 +51,14 @@ pub fn waiting_backwards(amp: &Amp) -> usize {
     amp.run.stash().waiting_backwards()
 }
 
+/// Makes the public ops on this thread treat CPU tensors as a GPU's for empty inputs: an op
+/// with an empty input runs on host copies and moves its result back, as it does on CUDA
+/// (where candle's kernels refuse empty launches). CI runs the shapes property test this
+/// way, so the guards' argument handling is checked on machines without a GPU.
+pub fn emulate_empty_device(on: bool) {
+    crate::precision::empty::emulate_device(on);
+}
+
 /// The launch the CUDA softmax kernels (`src/kernels/cuda/softmax.cu`) get for `rows` rows of
 /// `cols` values, `input` in and `out` out: `(kernel name, grid, block)`, or `None` where the
 /// composed ops run instead. The tests run the same plan on the CPU grid emulator.
@@ -77,6 +85,36 @@ pub fn cuda_softmax_loaded(device: &candle_core::Device) -> bool {
     false
 }
 
+/// The launches of the CUDA attention kernels (`src/kernels/cuda/flash.cu`) for `bh` (batch
+/// x heads) matrices of `t` rows of head dimension `d` of `dt`: forward, `Delta`, dK/dV and dQ,
+/// each `(kernel name, grid, block)`, or `None` where the composed ops run instead. `small`
+/// forces the small (`Some(true)`) or the large tile; `None` lets the plan choose. The tests
+/// run the same plan on the CPU grid emulator.
+pub fn cuda_flash_launches(
+    bh: usize,
+    t: usize,
+    d: usize,
+    dt: candle_core::DType,
+    small: Option<bool>,
+) -> Option<[(String, u32, u32); 4]> {
+    use crate::kernels::cuda::flash::{Tiles, flash_plan};
+    let which = small.map(|s| if s { Tiles::Small } else { Tiles::Large });
+    let p = flash_plan(bh, t, d, dt, which)?;
+    Some([p.forward, p.pre, p.dkv, p.dq].map(|l| (l.kernel, l.grid, l.block)))
+}
+
+/// Whether the CUDA attention kernels (`src/kernels/cuda/flash.cu`) are compiled and loaded
+/// on `device` (compiling and loading them if not yet): false off CUDA, without the `cuda`
+/// feature, or where they failed to load.
+pub fn cuda_flash_loaded(device: &candle_core::Device) -> bool {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        return crate::kernels::cuda::flash::available(d);
+    }
+    let _ = device;
+    false
+}
+
 /// Whether the CUDA norm kernels (`src/kernels/cuda/norm.cu`) are compiled and loaded on
 /// `device` (compiling and loading them if not yet): false off CUDA, without the `cuda`
 /// feature, or where they failed to load.
@@ -96,6 +134,50 @@ pub fn cuda_xent_loaded(device: &candle_core::Device) -> bool {
     #[cfg(feature = "cuda")]
     if let candle_core::Device::Cuda(d) = device {
         return crate::kernels::cuda::xent::available(d);
+    }
+    let _ = device;
+    false
+}
+
+/// The CUDA multi-tensor kernels' launch plan and records (`src/kernels/cuda/multi_tensor.rs`):
+/// what the library builds for the optimizer's one-launch unscale and AdamW/SGD steps. The
+/// tests build tables with the same functions (arena offsets in place of device pointers) and
+/// run them on the CPU grid emulator.
+pub mod cuda_multi_tensor {
+    pub use crate::kernels::cuda::multi_tensor::{
+        MtAdamW, MtKernel, MtLaunch, MtLimits, MtRecord, MtSgd, MtUnscale, RECORD_WORDS, mt_plan, mt_plan_with,
+        type_code,
+    };
+}
+
+/// Whether the CUDA multi-tensor kernels (`src/kernels/cuda/multi_tensor.cu`) are compiled and
+/// loaded on `device` (compiling and loading them if not yet): false off CUDA, without the
+/// `cuda` feature, or where they failed to load.
+pub fn cuda_multi_tensor_loaded(device: &candle_core::Device) -> bool {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        return crate::kernels::cuda::multi_tensor::available(d);
+    }
+    let _ = device;
+    false
+}
+
+/// The CUDA row kernels' launch plans (`src/kernels/cuda/rows.rs`): bias + GELU, the add of
+/// two float types and its broadcast operand's column sums. The tests run the same plans on
+/// the CPU grid emulator.
+pub mod cuda_rows {
+    pub use crate::kernels::cuda::rows::{
+        AddPlan, BiasGeluPlan, ColSumPlan, RowsLaunch, Tiles, add_plan, bias_gelu_plan, colsum_plan, promoted,
+    };
+}
+
+/// Whether the CUDA row kernels (`src/kernels/cuda/rows.cu`) are compiled and loaded on
+/// `device` (compiling and loading them if not yet): false off CUDA, without the `cuda`
+/// feature, or where they failed to load.
+pub fn cuda_rows_loaded(device: &candle_core::Device) -> bool {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        return crate::kernels::cuda::rows::available(d);
     }
     let _ = device;
     false

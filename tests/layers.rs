@@ -420,3 +420,26 @@ fn candles_fused_norms_stop_gradients_ours_do_not() {
         .unwrap();
     assert!(flat(g.get(&w).unwrap()).iter().any(|v| *v != 0.0));
 }
+
+/// An empty batch (PyTorch's rule): the empty input comes back in training and in eval, the
+/// running statistics stay as they were (a mean over nothing would write NaN into them),
+/// and a batch with the wrong channel count is still an error.
+#[test]
+fn batch_norm_on_an_empty_batch_keeps_its_running_statistics() {
+    let dev = common::device();
+    let vm = VarMap::new();
+    let l = ann::batch_norm(3, 1e-5, VarBuilder::from_varmap(&vm, DType::F32, &dev)).unwrap();
+    let x = Tensor::ones((4, 3, 2), DType::F32, &dev).unwrap();
+    l.forward_t(&x, true).unwrap();
+    let (mean, var) = (flat(l.running_mean()), flat(l.running_var()));
+    for train in [true, false] {
+        let e = x.narrow(0, 0, 0).unwrap();
+        let y = l.forward_t(&e, train).unwrap();
+        assert_eq!(y.dims(), [0, 3, 2]);
+        assert_eq!(flat(l.running_mean()), mean);
+        assert_eq!(flat(l.running_var()), var);
+        assert!(mean.iter().chain(&var).all(|v| v.is_finite()));
+    }
+    let wrong = x.narrow(0, 0, 0).unwrap().narrow(1, 0, 2).unwrap();
+    assert!(l.forward_t(&wrong, true).is_err());
+}

@@ -124,9 +124,13 @@ thread_local! {
     static DEVICE: std::cell::RefCell<Device> = const { std::cell::RefCell::new(Device::Cpu) };
 }
 
-/// Makes this thread's group build its inputs on `common::device()`.
+/// Makes this thread's group build its inputs on `common::device()`. On the CPU the ops
+/// then treat empty inputs as they do on a GPU (a host run, see
+/// `testing::emulate_empty_device`), so the CUDA path's guards are checked here too.
 fn on_test_device() {
-    DEVICE.with(|d| *d.borrow_mut() = common::device());
+    let device = common::device();
+    candle_amp::testing::emulate_empty_device(device.is_cpu());
+    DEVICE.with(|d| *d.borrow_mut() = device);
 }
 
 /// The device this thread's group builds its inputs on.
@@ -140,9 +144,11 @@ struct Input {
     view: Tensor,
 }
 
-/// Builds `shape` laid out as `v`, of `dtype`, from `seed`'s values; the same seed, shape
-/// and view give the same values in any type.
-fn input(shape: &[usize], v: View, dtype: DType, seed: u64) -> Input {
+/// Builds `shape` laid out as `v`, of `dtype`, from `seed`'s values, on `device`; the same
+/// seed, shape and view give the same values in any type. The values are made and cast on
+/// the CPU and then moved: candle's own cast of an empty tensor fails on CUDA (a launch of
+/// no blocks), and these are the inputs, not the ops under test.
+fn input(shape: &[usize], v: View, dtype: DType, seed: u64, device: &Device) -> Input {
     let r = shape.len();
     let v = if r < 2 && v == View::Transposed {
         View::Contiguous
@@ -158,9 +164,11 @@ fn input(shape: &[usize], v: View, dtype: DType, seed: u64) -> Input {
         View::Strided => stored[r - 1] *= 2,
     }
     let n: usize = stored.iter().product();
-    let t = Tensor::from_vec(values(n, seed), stored.as_slice(), &dev())
+    let t = Tensor::from_vec(values(n, seed), stored.as_slice(), &Device::Cpu)
         .unwrap()
         .to_dtype(dtype)
+        .unwrap()
+        .to_device(device)
         .unwrap();
     let base = Var::from_tensor(&t).unwrap();
     let view = match v {
@@ -190,8 +198,11 @@ fn guarded(f: impl FnOnce() -> Out) -> std::result::Result<Out, String> {
     })
 }
 
+/// The values as f32 on the host (moved first: casting an empty CUDA tensor fails in candle).
 fn f32s(t: &Tensor) -> Vec<f32> {
-    t.to_dtype(DType::F32)
+    t.to_device(&Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F32)
         .unwrap()
         .flatten_all()
         .unwrap()
@@ -228,15 +239,15 @@ fn close(what: &str, got: &Tensor, want: &Tensor, tol: f32) -> std::result::Resu
 /// one vector (zeros for an input the output does not depend on).
 fn input_grads(out: &Tensor, c: &Tensor, inputs: &[Input]) -> Out {
     let e = |e: candle_core::Error| e.to_string();
-    let l = (out.to_dtype(DType::F32).map_err(e)? * c)
-        .and_then(|t| t.sum_all())
-        .map_err(e)?;
+    // On the host (see `f32s`): the device op's gradient comes back through `to_device`.
+    let host = |t: &Tensor| t.to_device(&Device::Cpu).and_then(|t| t.to_dtype(DType::F32));
+    let l = (host(out).map_err(e)? * c).and_then(|t| t.sum_all()).map_err(e)?;
     let g = l.backward().map_err(e)?;
     let mut parts = Vec::with_capacity(inputs.len());
     for x in inputs {
         let gi = match g.get(x.base.as_tensor()) {
-            Some(t) => t.to_dtype(DType::F32).map_err(e)?,
-            None => x.base.zeros_like().and_then(|z| z.to_dtype(DType::F32)).map_err(e)?,
+            Some(t) => host(t).map_err(e)?,
+            None => Tensor::zeros(x.base.shape(), DType::F32, &Device::Cpu).map_err(e)?,
         };
         parts.push(gi.flatten_all().map_err(e)?);
     }
@@ -248,8 +259,9 @@ thread_local! {
     static CASES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
-/// One op checked against its reference: `ours` on the setting's inputs, `reference` on f32
-/// inputs with the kernels off (plain candle) and no autocast. Gradients with respect to
+/// One op checked against its reference: `ours` on the setting's inputs on the test device,
+/// `reference` on f32 inputs on the CPU with the kernels off (plain candle) and no autocast:
+/// the CPU's behaviour, empty tensors included, is what every device must give. Gradients with respect to
 /// every input's storage are compared where both sides give an output.
 fn check(
     what: &str,
@@ -261,14 +273,14 @@ fn check(
 ) -> std::result::Result<(), TestCaseError> {
     CASES.with(|c| c.set(c.get() + 1));
     let what = format!("{what} {s:?} {shapes:?}");
-    let make = |dt| -> Vec<Input> {
+    let make = |dt, device: &Device| -> Vec<Input> {
         shapes
             .iter()
             .enumerate()
-            .map(|(i, (sh, v))| input(sh, *v, dt, seed + i as u64))
+            .map(|(i, (sh, v))| input(sh, *v, dt, seed + i as u64, device))
             .collect()
     };
-    let (mine, refs) = (make(s.input_dtype()), make(DType::F32));
+    let (mine, refs) = (make(s.input_dtype(), &dev()), make(DType::F32, &Device::Cpu));
     let views = |xs: &[Input]| xs.iter().map(|x| x.view.clone()).collect::<Vec<_>>();
     let got = guarded(|| s.run(|| f(&views(&mine)).map_err(|e| e.to_string())));
     let want = guarded(|| {
@@ -299,7 +311,7 @@ fn check(
     };
     close(&what, &got, &want, s.tol())?;
     // Gradients of sum(out * c) for fixed c.
-    let c = Tensor::from_vec(values(want.elem_count(), seed ^ 0xC0FFEE), want.shape(), &dev()).unwrap();
+    let c = Tensor::from_vec(values(want.elem_count(), seed ^ 0xC0FFEE), want.shape(), &Device::Cpu).unwrap();
     let g_got = guarded(|| input_grads(&got, &c, &mine));
     let g_want = guarded(|| {
         let _plain = kernels::plain();
@@ -923,6 +935,7 @@ fn cross_entropy_any_batch() {
         .run(&strat, |(s, n, c, v, seed)| {
             let targets: Vec<u32> = (0..n as u32).map(|i| (i * 7 + seed) % c as u32).collect();
             let t = Tensor::new(targets.as_slice(), &dev()).unwrap();
+            let t_host = t.to_device(&Device::Cpu).unwrap();
             check(
                 "ops::cross_entropy",
                 s,
@@ -931,7 +944,7 @@ fn cross_entropy_any_batch() {
                 |x| ops::cross_entropy(&x[0], &t),
                 |x| {
                     let ls = softmax_ref(&x[0])?.log()?;
-                    ls.gather(&t.unsqueeze(1)?, 1)?.sum_all()? * (-1.0 / n as f64)
+                    ls.gather(&t_host.unsqueeze(1)?, 1)?.sum_all()? * (-1.0 / n as f64)
                 },
             )
         })
@@ -939,21 +952,27 @@ fn cross_entropy_any_batch() {
     report("cross entropy", before);
 }
 
-/// Builds one `candle_nn` layer (f32) and its `candle_amp::nn` counterpart over the same
-/// values (one VarMap), the latter in `dtype` (the level's parameter type).
+/// Builds one `candle_nn` layer (f32, on the CPU: the reference) and its `candle_amp::nn`
+/// counterpart over the same values (one VarMap), the latter in `dtype` (the level's
+/// parameter type) on the test device.
 fn layer_pair<A, B>(
     dtype: DType,
     amp_layer: impl FnOnce(candle_nn::VarBuilder) -> candle_core::Result<A>,
     nn_layer: impl FnOnce(candle_nn::VarBuilder) -> candle_core::Result<B>,
 ) -> (A, B) {
     let vm = candle_nn::VarMap::new();
-    let b = nn_layer(candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev()).pp("l")).unwrap();
+    let b = nn_layer(candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu).pp("l")).unwrap();
     let converted: std::collections::HashMap<String, Tensor> = vm
         .data()
         .lock()
         .unwrap()
         .iter()
-        .map(|(k, v)| (k.clone(), v.as_tensor().to_dtype(dtype).unwrap()))
+        .map(|(k, v)| {
+            (
+                k.clone(),
+                v.as_tensor().to_dtype(dtype).unwrap().to_device(&dev()).unwrap(),
+            )
+        })
         .collect();
     let a = amp_layer(candle_nn::VarBuilder::from_tensors(converted, dtype, &dev()).pp("l")).unwrap();
     (a, b)
@@ -1078,7 +1097,7 @@ fn layers_on_any_batch() {
                 |vb| candle_nn::embedding(5, c, vb),
             );
             let ea = s.run(|| a.forward(&ids));
-            let eb = b.forward(&ids);
+            let eb = b.forward(&ids.to_device(&Device::Cpu).unwrap());
             match (ea, eb) {
                 (Ok(x), Ok(y)) => close("nn::embedding", &x, &y, s.tol())?,
                 (Err(_), Err(_)) => {}

@@ -7,8 +7,9 @@
 //! queue's), `tokens_per_s` (tokens per step over `step_ms`; for the MLP a token is one row),
 //! `peak_device_mib` (the most device memory the level's run held, parameters, masters,
 //! optimizer state and activations, above what the process held before it; `memory_source`
-//! says how it was read), `host_syncs_per_step` and `skipped_steps`. A level that fails (out
-//! of memory, say) gets `{"error": ...}` and the others still run.
+//! says how it was read), `host_syncs_per_step`, `launches_per_step` and
+//! `bytes_allocated_per_step` (one counted step, on the CPU only: see `launches_source`) and
+//! `skipped_steps`. A level that fails (out of memory, say) gets `{"error": ...}` and the others still run.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -52,7 +53,8 @@ impl GpuModel {
     pub fn config(self) -> models::TransformerConfig {
         let (vocab, context, d_model, heads, layers) = match self {
             Self::Gpt2 => (50257, 1024, 768, 12, 12),
-            Self::Tiny => (256, 32, 64, 4, 2),
+            // A vocabulary that is not a multiple of 64, so the padded head runs here too.
+            Self::Tiny => (250, 32, 64, 4, 2),
         };
         models::TransformerConfig {
             vocab,
@@ -63,6 +65,8 @@ impl GpuModel {
             dropout: 0.0,
             checkpoint: 0,
             ffn_chunk: 0,
+            // GPT-2's head as llm.c runs it: 50304 outputs, the logits the first 50257.
+            vocab_pad: 64,
         }
     }
 
@@ -129,6 +133,7 @@ fn transformer_json(c: &models::TransformerConfig, batch: usize) -> Value {
         "heads": c.heads,
         "context": c.context,
         "vocab": c.vocab,
+        "head_width": c.vocab.next_multiple_of(c.vocab_pad.max(1)),
         "batch": batch,
     })
 }
@@ -331,6 +336,19 @@ fn train<M: ModuleT>(
         (Some(a), Some(z)) => Some((z - a) as f64 / b.steps as f64),
         _ => None,
     };
+    // One more step, counted: the buffers the CPU's ops write (one kernel launch each on
+    // CUDA) and the bytes allocated. Only the host's allocator can be counted, so the
+    // figures exist on the CPU, where `CANDLE_AMP_FORCE_DEVICE_PATH=1` runs the GPU's path.
+    let (buffers0, bytes0) = (counting::buffers(), counting::allocated());
+    step()?;
+    b.device.synchronize()?;
+    let (launches, bytes) = match b.device {
+        Device::Cpu => (
+            Some(counting::buffers() - buffers0),
+            Some(counting::allocated() - bytes0),
+        ),
+        _ => (None, None),
+    };
     let skipped = opt.skipped_steps();
     let (peak, start) = meter.finish(&b.device)?;
     times.sort_by(f64::total_cmp);
@@ -341,6 +359,8 @@ fn train<M: ModuleT>(
         "peak_device_mib": peak,
         "device_mib_at_start": start,
         "host_syncs_per_step": syncs,
+        "launches_per_step": launches,
+        "bytes_allocated_per_step": bytes,
         "skipped_steps": skipped,
     }))
 }
@@ -402,6 +422,8 @@ pub fn run(b: &GpuBench) -> Result<Value> {
         "gpu_model": b.model.name(),
         "memory_source": memory_source(&b.device),
         "host_syncs_source": "Amp::host_syncs (reads of device values on the step path)",
+        "launches_source": "CPU only (null on CUDA): buffers of alignment <= 4 (candle's f32/f16/bf16/u32/u8 storage) the counting allocator saw in one step after the timed ones; each op writes one, as each CUDA op launches one kernel; CANDLE_AMP_FORCE_DEVICE_PATH=1 counts the GPU's path (candle ops only: the library's CUDA kernels exist on CUDA only)",
+        "bytes_allocated_source": "CPU only (null on CUDA): bytes the counting allocator handed out in that step (the allocation traffic, whatever was freed in between)",
         "steps": b.steps,
         "warmup_steps": b.warmup,
         "optimizer": "AdamW lr 1e-4, weight decay 0.01",
@@ -516,8 +538,8 @@ pub fn print_table(o: &Value) {
     for model in ["mlp", "transformer"] {
         eprintln!("{model}: {}", o["models"][model]["model"]);
         eprintln!(
-            "  {:<6} {:<5} {:>10} {:>14} {:>10} {:>12}",
-            "level", "half", "step_ms", "tokens/s", "peak_mib", "syncs/step"
+            "  {:<6} {:<5} {:>10} {:>14} {:>10} {:>12} {:>10} {:>12}",
+            "level", "half", "step_ms", "tokens/s", "peak_mib", "syncs/step", "launches", "alloc_MiB"
         );
         for level in ["O0", "O1", "O2", "O3"] {
             for half in ["f16", "bf16"] {
@@ -527,11 +549,13 @@ pub fn print_table(o: &Value) {
                     continue;
                 }
                 eprintln!(
-                    "  {level:<6} {half:<5} {:>10} {:>14} {:>10} {:>12}",
+                    "  {level:<6} {half:<5} {:>10} {:>14} {:>10} {:>12} {:>10} {:>12}",
                     f(&r["step_ms"]),
                     f(&r["tokens_per_s"]),
                     f(&r["peak_device_mib"]),
-                    f(&r["host_syncs_per_step"])
+                    f(&r["host_syncs_per_step"]),
+                    f(&r["launches_per_step"]),
+                    f(&r["bytes_allocated_per_step"].as_f64().map(|b| b / 1048576.0).into())
                 );
             }
         }

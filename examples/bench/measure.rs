@@ -397,6 +397,7 @@ pub fn memory_savers(quick: bool, steps: usize) -> Result<Value> {
         dropout: 0.1,
         checkpoint: 0,
         ffn_chunk: 0,
+        vocab_pad: 1,
     };
     let batch = if quick { 8 } else { 32 };
     let chunk = deep.context / 4;
@@ -476,6 +477,7 @@ pub fn transformers(quick: bool) -> [(&'static str, models::TransformerConfig, u
         dropout: 0.1,
         checkpoint: 0,
         ffn_chunk: 0,
+        vocab_pad: 1,
     };
     let memory = models::TransformerConfig {
         context: 64,

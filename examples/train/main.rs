@@ -184,6 +184,7 @@ fn train_one(
                     dropout: 0.1,
                     checkpoint: a.checkpoint.unwrap_or(0),
                     ffn_chunk: a.ffn_chunk.unwrap_or(0),
+                    vocab_pad: 1,
                 };
                 Net::Transformer(Transformer::new(vb, c, dropout, recompute.clone())?)
             }

@@ -100,6 +100,11 @@ pub struct TransformerConfig {
     /// The feed-forward runs on slices of this many positions (0: whole sequences); in
     /// training each slice is recomputed in the backward when the model has a `Recompute`.
     pub ffn_chunk: usize,
+    /// The output head's width is the vocabulary rounded up to a multiple of this (1: no
+    /// padding), and the logits are the first `vocab` columns: cuBLAS's fast GEMMs want
+    /// aligned dimensions, and GPT-2's 50257 falls to a slow kernel on a GPU (llm.c pads it
+    /// to 50304). The padding columns never reach the loss, so their rows get no gradient.
+    pub vocab_pad: usize,
 }
 
 /// A block's position-wise feed-forward: layer norm, up projection, GELU, down projection.
@@ -186,6 +191,8 @@ pub struct Transformer {
     blocks: Vec<Block>,
     ln: ann::LayerNorm,
     head: ann::Linear,
+    /// The logits' width (the head may be wider: `TransformerConfig::vocab_pad`).
+    vocab: usize,
     checkpoint: usize,
     recompute: Option<Recompute>,
 }
@@ -211,7 +218,8 @@ impl Transformer {
             pos,
             blocks,
             ln: ann::layer_norm(c.d_model, 1e-5, vb.pp("ln"))?,
-            head: ann::linear(c.d_model, c.vocab, vb.pp("head"))?,
+            head: ann::linear(c.d_model, c.vocab.next_multiple_of(c.vocab_pad.max(1)), vb.pp("head"))?,
+            vocab: c.vocab,
             checkpoint: c.checkpoint,
             recompute,
         })
@@ -230,6 +238,10 @@ impl ModuleT for Transformer {
                 }
             }
         }
-        self.head.forward(&self.ln.forward(&x)?)
+        let logits = self.head.forward(&self.ln.forward(&x)?)?;
+        if logits.dim(candle_core::D::Minus1)? == self.vocab {
+            return Ok(logits);
+        }
+        logits.narrow(candle_core::D::Minus1, 0, self.vocab)
     }
 }

@@ -72,9 +72,24 @@ pub fn scaled_dot_product_attention(
     causal: bool,
     scale: Option<f64>,
 ) -> Result<Tensor> {
+    if let Some(r) = crate::precision::empty::on_host_with(&[q, k, v], &[mask], |t, o| {
+        scaled_dot_product_attention(&t[0], &t[1], &t[2], o[0].as_ref(), causal, scale)
+    }) {
+        return r;
+    }
     let d = q.dim(candle_core::D::Minus1)?;
     let t = q.dim(candle_core::D::Minus2)?;
     let scale = scale.unwrap_or(1.0 / (d as f64).sqrt());
+    if mask.is_none() && crate::kernels::enabled() && crate::kernels::cuda::flash::applies(q, k, v) {
+        // FlashAttention-2 on CUDA: no (.., t, t) scores stored. q, k and v are cast as
+        // `ops::matmul` casts its operands (half under autocast), the arithmetic inside is f32,
+        // and the output comes in that type, as the composed path's last product's does; it
+        // is recorded for the numerics doctor as that `matmul`.
+        return ops::call("matmul", &[q, k, v], |xs| {
+            crate::kernels::cuda::flash::attention(&xs[0], &xs[1], &xs[2], scale, causal)?
+                .ok_or_else(|| candle_core::Error::Msg("attention: the CUDA kernels do not apply".into()))
+        });
+    }
     let scores = ops::matmul(q, &transpose_last(k)?)?;
     if mask.is_none() && autocast::eligible(scores.dtype()) {
         // One op: scale, causal mask and softmax in f32, keeping only its input and output

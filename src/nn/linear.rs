@@ -150,6 +150,15 @@ impl Embedding {
 impl Module for Embedding {
     fn forward(&self, ids: &Tensor) -> Result<Tensor> {
         observe::layer(self.name.as_ref(), ids, None, |ids| {
+            // An empty batch on a GPU: candle's select launches no blocks, which CUDA refuses.
+            let lookup = |t: &[Tensor]| {
+                let mut shape = t[0].dims().to_vec();
+                shape.push(self.hidden);
+                t[1].index_select(&t[0].flatten_all()?, 0)?.reshape(shape)
+            };
+            if let Some(r) = crate::precision::empty::on_host(&[ids, &self.embeddings], lookup) {
+                return r;
+            }
             let mut shape = ids.dims().to_vec();
             shape.push(self.hidden);
             self.embeddings.index_select(&ids.flatten_all()?, 0)?.reshape(shape)

@@ -26,6 +26,11 @@ use crate::precision::stash::GradStash;
 /// in f32. Elsewhere the layer and then [`super::ops::relu`] or [`super::ops::gelu`]. The numerics doctor records
 /// the fused node as the `linear` op (its output is the activation's).
 pub(crate) fn linear_layer_act(x: &Tensor, w: &Tensor, b: Option<&Tensor>, act: Option<Act>) -> Result<Tensor> {
+    if let Some(r) =
+        super::empty::on_host_with(&[x, w], &[b], |t, o| linear_layer_act(&t[0], &t[1], o[0].as_ref(), act))
+    {
+        return r;
+    }
     let mut args = vec![x, w];
     if let Some(b) = b {
         args.push(b);
@@ -42,10 +47,41 @@ pub(crate) fn linear_layer_act(x: &Tensor, w: &Tensor, b: Option<&Tensor>, act: 
             _ => Ok(y),
         };
     }
+    if let Some(y) = cuda_bias_gelu(&xs, act)? {
+        return Ok(y);
+    }
     let y = rec("linear", kernels::linear(&xs[0], &xs[1], xs.get(2)))?;
     match act {
         Some(a) => apply_act(&y, a),
         None => Ok(y),
+    }
+}
+
+/// On CUDA, a layer with a bias and GELU: the product without its bias, then the bias and
+/// GELU as one kernel (`kernels::cuda::rows`) in the type [`super::ops::gelu`] gives (f32
+/// under autocast, whose policy runs GELU in f32). `None` elsewhere: off CUDA, with the
+/// kernels off, and where an observer records the step or a layer is kept in f32 (they see
+/// the layer's own output); where the kernel does not apply after the product, the bias is
+/// added as `kernels::linear` adds it off the CPU, then GELU.
+fn cuda_bias_gelu(xs: &[Tensor], act: Option<Act>) -> Result<Option<Tensor>> {
+    let (Some(Act::Gelu), Some(b)) = (act, xs.get(2)) else {
+        return Ok(None);
+    };
+    // A bias of another type is candle's error on the unfused path: kept so.
+    if !kernels::enabled()
+        || xs[0].device().is_cpu()
+        || b.dtype() != xs[0].dtype()
+        || autocast::hooked_context().is_some()
+    {
+        return Ok(None);
+    }
+    let Some(out) = super::ops::prepared_type("gelu", &[xs[0].dtype()]) else {
+        return Ok(None);
+    };
+    let h = kernels::linear(&xs[0], &xs[1], None)?;
+    match kernels::cuda::rows::bias_gelu(&h, b, out)? {
+        Some(y) => Ok(Some(y)),
+        None => apply_act(&h.broadcast_add(b)?, Act::Gelu).map(Some),
     }
 }
 

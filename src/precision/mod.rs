@@ -15,6 +15,7 @@
 pub mod autocast;
 pub(crate) mod cast_cache;
 pub(crate) mod cast_lists;
+pub(crate) mod empty;
 pub(crate) mod fused;
 pub(crate) mod model;
 pub(crate) mod observe;

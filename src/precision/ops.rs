@@ -14,6 +14,7 @@ pub use candle_core::op::CmpOp;
 use candle_core::{D, DType, Device, Result, Tensor};
 
 use super::autocast::{self, CastPolicy, eligible};
+use super::empty;
 use super::observe::op as rec;
 use crate::kernels;
 
@@ -70,6 +71,12 @@ pub(super) fn prepare(op: &str, xs: &[&Tensor]) -> Result<(Vec<Tensor>, bool)> {
 /// Runs a user function under the policy registered for `name` (see
 /// [`crate::Amp::register_op`]); unregistered names run unchanged.
 pub fn call(name: &str, xs: &[&Tensor], f: impl FnOnce(&[Tensor]) -> Result<Tensor>) -> Result<Tensor> {
+    if let Some(dev) = empty::applies(xs) {
+        let host = empty::to_host(xs)?;
+        let refs: Vec<&Tensor> = host.iter().collect();
+        let _inside = empty::Inside::enter();
+        return call(name, &refs, f)?.to_device(&dev);
+    }
     let (xs, _) = prepare(name, xs)?;
     rec(name, f(&xs))
 }
@@ -111,6 +118,29 @@ fn promote2(op: &str, a: &Tensor, b: &Tensor, f: impl FnOnce(&Tensor, &Tensor) -
     rec(op, f(&xs[0], &xs[1]))
 }
 
+/// The one type [`prepare`] would give operands of types `dts` for `op`, without casting
+/// them (for kernels that cast as they read, `kernels::cuda::rows`): `None` where it would
+/// leave them in different types, cast them to half (the Half list, which notes its use) or
+/// refuse them, or where one is not f32, f16 or bf16.
+pub(super) fn prepared_type(op: &str, dts: &[DType]) -> Option<DType> {
+    let first = *dts.first()?;
+    if !dts.iter().all(|d| eligible(*d)) {
+        return None;
+    }
+    let same = dts.iter().all(|d| *d == first).then_some(first);
+    let Some((ctx, force_f32)) = autocast::active_forced() else {
+        return same;
+    };
+    match ctx.policy(op) {
+        None => same,
+        // A layer kept in f32 computes Half and Promote ops in f32 too (see `prepare`).
+        Some(CastPolicy::Float) => Some(DType::F32),
+        Some(CastPolicy::Half | CastPolicy::Promote) if force_f32 => Some(DType::F32),
+        Some(CastPolicy::Promote) => Some(same.unwrap_or(DType::F32)),
+        Some(CastPolicy::Half | CastPolicy::Banned(_)) => None,
+    }
+}
+
 // ---------------------------------------------------------------- half list
 
 /// Matrix product (batched and broadcast like `Tensor::broadcast_matmul`), in half, through
@@ -118,12 +148,18 @@ fn promote2(op: &str, a: &Tensor, b: &Tensor, f: impl FnOnce(&Tensor, &Tensor) -
 /// AVX-512 BF16 tiers, subnormals are flushed to zero
 /// ([`kernels::bf16_products_flush_subnormals`]).
 pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[a, b], |x| matmul(&x[0], &x[1])) {
+        return r;
+    }
     let (xs, _) = prepare("matmul", &[a, b])?;
     rec("matmul", kernels::matmul(&xs[0], &xs[1]))
 }
 
 /// Batched matrix product (`(b, n, k) x (b, k, m)`), in half.
 pub fn bmm(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[a, b], |x| bmm(&x[0], &x[1])) {
+        return r;
+    }
     let (xs, _) = prepare("bmm", &[a, b])?;
     rec("bmm", kernels::matmul(&xs[0], &xs[1]))
 }
@@ -133,6 +169,9 @@ pub fn bmm(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// added and its gradient summed in f32). In bf16 on the AMX and AVX-512 BF16 tiers,
 /// subnormals are flushed to zero ([`kernels::bf16_products_flush_subnormals`]).
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    if let Some(r) = empty::on_host_with(&[x, w], &[b], |t, o| linear(&t[0], &t[1], o[0].as_ref())) {
+        return r;
+    }
     let mut args = vec![x, w];
     if let Some(b) = b {
         args.push(b);
@@ -178,6 +217,9 @@ fn with_bias<'a>(x: &'a Tensor, w: &'a Tensor, b: Option<&'a Tensor>) -> Vec<&'a
 /// 0.11's own conv1d returns wrong kernel gradients (checked against finite differences in
 /// `tests/layers.rs`).
 pub fn conv1d(x: &Tensor, w: &Tensor, b: Option<&Tensor>, cfg: candle_nn::Conv1dConfig) -> Result<Tensor> {
+    if let Some(r) = empty::on_host_with(&[x, w], &[b], |t, o| conv1d(&t[0], &t[1], o[0].as_ref(), cfg)) {
+        return r;
+    }
     let (xs, _) = prepare("conv1d", &with_bias(x, w, b))?;
     let y = conv_in_supported_dtype(&xs[0], &xs[1], |x, w| {
         let x = x.unsqueeze(2)?.pad_with_zeros(3, cfg.padding, cfg.padding)?;
@@ -189,6 +231,9 @@ pub fn conv1d(x: &Tensor, w: &Tensor, b: Option<&Tensor>, cfg: candle_nn::Conv1d
 
 /// 2-d convolution, in half (bf16 on CPU computes in f32, see the module notes).
 pub fn conv2d(x: &Tensor, w: &Tensor, b: Option<&Tensor>, cfg: candle_nn::Conv2dConfig) -> Result<Tensor> {
+    if let Some(r) = empty::on_host_with(&[x, w], &[b], |t, o| conv2d(&t[0], &t[1], o[0].as_ref(), cfg)) {
+        return r;
+    }
     let (xs, _) = prepare("conv2d", &with_bias(x, w, b))?;
     let y = conv_in_supported_dtype(&xs[0], &xs[1], |x, w| {
         x.conv2d(w, cfg.padding, cfg.stride, cfg.dilation, cfg.groups)
@@ -203,6 +248,9 @@ pub fn conv_transpose1d(
     b: Option<&Tensor>,
     cfg: candle_nn::ConvTranspose1dConfig,
 ) -> Result<Tensor> {
+    if let Some(r) = empty::on_host_with(&[x, w], &[b], |t, o| conv_transpose1d(&t[0], &t[1], o[0].as_ref(), cfg)) {
+        return r;
+    }
     let (xs, _) = prepare("conv_transpose1d", &with_bias(x, w, b))?;
     let y = conv_in_supported_dtype(&xs[0], &xs[1], |x, w| {
         x.conv_transpose1d(w, cfg.padding, cfg.output_padding, cfg.stride, cfg.dilation, cfg.groups)
@@ -217,6 +265,9 @@ pub fn conv_transpose2d(
     b: Option<&Tensor>,
     cfg: candle_nn::ConvTranspose2dConfig,
 ) -> Result<Tensor> {
+    if let Some(r) = empty::on_host_with(&[x, w], &[b], |t, o| conv_transpose2d(&t[0], &t[1], o[0].as_ref(), cfg)) {
+        return r;
+    }
     let (xs, _) = prepare("conv_transpose2d", &with_bias(x, w, b))?;
     let y = conv_in_supported_dtype(&xs[0], &xs[1], |x, w| {
         x.conv_transpose2d(w, cfg.padding, cfg.output_padding, cfg.stride, cfg.dilation)
@@ -226,6 +277,9 @@ pub fn conv_transpose2d(
 
 /// PReLU with one slope per channel (dimension 1) or a single slope, in half.
 pub fn prelu(x: &Tensor, alpha: &Tensor) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[x, alpha], |x| prelu(&x[0], &x[1])) {
+        return r;
+    }
     let (xs, _) = prepare("prelu", &[x, alpha])?;
     let (x, a) = (&xs[0], &xs[1]);
     let a = if a.elem_count() == 1 || x.rank() < 2 {
@@ -243,26 +297,41 @@ pub fn prelu(x: &Tensor, alpha: &Tensor) -> Result<Tensor> {
 
 /// `exp`, in f32 under autocast.
 pub fn exp(x: &Tensor) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[x], |x| exp(&x[0])) {
+        return r;
+    }
     pointwise_op("exp", x, |x| x.exp())
 }
 
 /// Natural logarithm, in f32 under autocast.
 pub fn log(x: &Tensor) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[x], |x| log(&x[0])) {
+        return r;
+    }
     pointwise_op("log", x, |x| x.log())
 }
 
 /// `x^e`, in f32 under autocast.
 pub fn pow(x: &Tensor, e: f64) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[x], |x| pow(&x[0], e)) {
+        return r;
+    }
     pointwise_op("pow", x, |x| x.powf(e))
 }
 
 /// `1/x`, in f32 under autocast.
 pub fn reciprocal(x: &Tensor) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[x], |x| reciprocal(&x[0])) {
+        return r;
+    }
     pointwise_op("reciprocal", x, |x| x.recip())
 }
 
 /// `1/sqrt(x)`, in f32 under autocast.
 pub fn rsqrt(x: &Tensor) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[x], |x| rsqrt(&x[0])) {
+        return r;
+    }
     pointwise_op("rsqrt", x, |x| x.sqrt()?.recip())
 }
 
@@ -270,37 +339,58 @@ pub fn rsqrt(x: &Tensor) -> Result<Tensor> {
 /// ([`kernels::relu`]). Its gradient at `x == 0` is 0, as PyTorch's (candle's `relu`
 /// passes it).
 pub fn relu(x: &Tensor) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[x], |x| relu(&x[0])) {
+        return r;
+    }
     kernels::relu(x)
 }
 
 /// GELU (erf form), in f32 under autocast.
 pub fn gelu(x: &Tensor) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[x], |x| gelu(&x[0])) {
+        return r;
+    }
     pointwise_op("gelu", x, kernels::gelu)
 }
 
 /// Sum over `dim`, kept; accumulated in f32.
 pub fn sum_keepdim(x: &Tensor, dim: usize) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[x], |x| sum_keepdim(&x[0], dim)) {
+        return r;
+    }
     float_op("sum", x, |x| x.sum_keepdim(dim))
 }
 
 /// Sum of all elements; accumulated in f32.
 pub fn sum_all(x: &Tensor) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[x], |x| sum_all(&x[0])) {
+        return r;
+    }
     float_op("sum", x, |x| x.sum_all())
 }
 
 /// Mean over `dim`, kept; accumulated in f32.
 pub fn mean_keepdim(x: &Tensor, dim: usize) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[x], |x| mean_keepdim(&x[0], dim)) {
+        return r;
+    }
     float_op("mean", x, |x| x.mean_keepdim(dim))
 }
 
 /// Mean of all elements; accumulated in f32.
 pub fn mean_all(x: &Tensor) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[x], |x| mean_all(&x[0])) {
+        return r;
+    }
     float_op("mean", x, |x| x.mean_all())
 }
 
 /// Unbiased variance over `dim`, kept; accumulated in f32. Over fewer than two elements it
 /// is NaN, as in PyTorch (candle's own `var_keepdim` panics on an empty dim).
 pub fn var_keepdim(x: &Tensor, dim: usize) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[x], |x| var_keepdim(&x[0], dim)) {
+        return r;
+    }
     float_op("var", x, |x| {
         if x.dim(dim)? > 0 {
             return x.var_keepdim(dim);
@@ -313,11 +403,17 @@ pub fn var_keepdim(x: &Tensor, dim: usize) -> Result<Tensor> {
 
 /// The L2 norm of all elements; accumulated in f32.
 pub fn norm(x: &Tensor) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[x], |x| norm(&x[0])) {
+        return r;
+    }
     float_op("norm", x, |x| x.sqr()?.sum_all()?.sqrt())
 }
 
 /// Cumulative sum over `dim`; accumulated in f32.
 pub fn cumsum(x: &Tensor, dim: usize) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[x], |x| cumsum(&x[0], dim)) {
+        return r;
+    }
     float_op("cumsum", x, |x| x.cumsum(dim))
 }
 
@@ -347,11 +443,17 @@ fn log_softmax_f32(x: &Tensor, dim: usize) -> Result<Tensor> {
 /// Softmax over `dim`, differentiable, accumulated in f32 (candle's fused
 /// `softmax_last_dim` has no backward).
 pub fn softmax(x: &Tensor, dim: usize) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[x], |x| softmax(&x[0], dim)) {
+        return r;
+    }
     float_op("softmax", x, |x| softmax_f32(x, dim))
 }
 
 /// Log-softmax over `dim`, differentiable, in f32.
 pub fn log_softmax(x: &Tensor, dim: usize) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[x], |x| log_softmax(&x[0], dim)) {
+        return r;
+    }
     float_op("log_softmax", x, |x| log_softmax_f32(x, dim))
 }
 
@@ -360,6 +462,11 @@ pub fn log_softmax(x: &Tensor, dim: usize) -> Result<Tensor> {
 /// ([`kernels::layer_norm`]). The result is f32 under autocast (the Float list), else the
 /// input's type; `w` and `b` may be of another float type than `x`.
 pub fn layer_norm(x: &Tensor, w: Option<&Tensor>, b: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+    if let Some(r) = empty::on_host_with(&[x], &[w, b], |t, o| {
+        layer_norm(&t[0], o[0].as_ref(), o[1].as_ref(), eps)
+    }) {
+        return r;
+    }
     let (xs, _) = prepare("layer_norm", &[x])?;
     rec("layer_norm", kernels::layer_norm(&xs[0], w, b, eps))
 }
@@ -367,6 +474,9 @@ pub fn layer_norm(x: &Tensor, w: Option<&Tensor>, b: Option<&Tensor>, eps: f64) 
 /// RMS normalisation over the last dimension, differentiable, statistics in f32, as one op
 /// ([`kernels::rms_norm`]); result types as [`layer_norm`].
 pub fn rms_norm(x: &Tensor, w: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+    if let Some(r) = empty::on_host_with(&[x], &[w], |t, o| rms_norm(&t[0], o[0].as_ref(), eps)) {
+        return r;
+    }
     let (xs, _) = prepare("rms_norm", &[x])?;
     rec("rms_norm", kernels::rms_norm(&xs[0], w, eps))
 }
@@ -374,6 +484,11 @@ pub fn rms_norm(x: &Tensor, w: Option<&Tensor>, eps: f64) -> Result<Tensor> {
 /// Group normalisation of `(N, C, ...)` input into `groups` groups, statistics in f32, with
 /// per-channel affine parameters.
 pub fn group_norm(x: &Tensor, groups: usize, w: Option<&Tensor>, b: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+    if let Some(r) = empty::on_host_with(&[x], &[w, b], |t, o| {
+        group_norm(&t[0], groups, o[0].as_ref(), o[1].as_ref(), eps)
+    }) {
+        return r;
+    }
     let orig = x.dtype();
     let dims = x.dims().to_vec();
     if dims.len() < 2 || !dims[1].is_multiple_of(groups) {
@@ -410,6 +525,9 @@ fn loss_inputs(op: &str, xs: &[&Tensor]) -> Result<Vec<Tensor>> {
 
 /// Mean negative log-likelihood of `log_probs` `(N, C)` at integer `targets` `(N,)`.
 pub fn nll(log_probs: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[log_probs, targets], |x| nll(&x[0], &x[1])) {
+        return r;
+    }
     let xs = loss_inputs("nll", &[log_probs])?;
     let n = targets.dim(0)?;
     let picked = xs[0].gather(&targets.unsqueeze(1)?, 1)?;
@@ -424,6 +542,9 @@ pub fn nll(log_probs: &Tensor, targets: &Tensor) -> Result<Tensor> {
 /// skipped and the report names `"<loss>"`), instead of the CPU's error: telling it on the
 /// host would cost a read of the targets per call.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[logits, targets], |x| cross_entropy(&x[0], &x[1])) {
+        return r;
+    }
     let (xs, _) = prepare("cross_entropy", &[logits])?;
     // On CUDA: one fused kernel over the logits in their own type (`kernels::cuda::xent`).
     #[cfg(feature = "cuda")]
@@ -447,18 +568,27 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 
 /// Mean squared error, in f32.
 pub fn mse(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[a, b], |x| mse(&x[0], &x[1])) {
+        return r;
+    }
     let xs = loss_inputs("mse", &[a, b])?;
     xs[0].broadcast_sub(&xs[1])?.sqr()?.mean_all()
 }
 
 /// Mean absolute error, in f32.
 pub fn l1(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[a, b], |x| l1(&x[0], &x[1])) {
+        return r;
+    }
     let xs = loss_inputs("l1", &[a, b])?;
     xs[0].broadcast_sub(&xs[1])?.abs()?.mean_all()
 }
 
 /// Smooth L1 (Huber with threshold `beta`, as PyTorch's `smooth_l1_loss`), in f32.
 pub fn smooth_l1(a: &Tensor, b: &Tensor, beta: f64) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[a, b], |x| smooth_l1(&x[0], &x[1], beta)) {
+        return r;
+    }
     let xs = loss_inputs("smooth_l1", &[a, b])?;
     let d = xs[0].broadcast_sub(&xs[1])?.abs()?;
     if beta == 0.0 {
@@ -472,6 +602,9 @@ pub fn smooth_l1(a: &Tensor, b: &Tensor, beta: f64) -> Result<Tensor> {
 /// KL divergence `sum target * (log target - input) / N` of log-probabilities `input`
 /// against probabilities `target` (PyTorch's `reduction="batchmean"`), in f32.
 pub fn kl_div(input: &Tensor, target: &Tensor) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[input, target], |x| kl_div(&x[0], &x[1])) {
+        return r;
+    }
     let xs = loss_inputs("kl_div", &[input, target])?;
     let n = xs[0].dim(0)? as f64;
     let t = &xs[1];
@@ -483,6 +616,9 @@ pub fn kl_div(input: &Tensor, target: &Tensor) -> Result<Tensor> {
 /// Binary cross entropy on logits, in the stable form
 /// `max(x, 0) - x*y + log(1 + exp(-|x|))`, in f32.
 pub fn binary_cross_entropy_with_logits(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[logits, targets], |x| binary_cross_entropy_with_logits(&x[0], &x[1])) {
+        return r;
+    }
     let xs = loss_inputs("binary_cross_entropy_with_logits", &[logits, targets])?;
     let (x, y) = (&xs[0], &xs[1]);
     let l = ((x.relu()? - (x * y)?)? + (x.abs()?.neg()?.exp()? + 1.0)?.log()?)?;
@@ -496,6 +632,9 @@ pub fn binary_cross_entropy_with_logits(logits: &Tensor, targets: &Tensor) -> Re
 /// `p = 1`, where the chain rule through the clamp would give `0 * inf = NaN`); with respect
 /// to `y` it is `log(1 - p) - log(p)`, both clamped.
 pub fn binary_cross_entropy(probs: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[probs, targets], |x| binary_cross_entropy(&x[0], &x[1])) {
+        return r;
+    }
     let xs = loss_inputs("binary_cross_entropy", &[probs, targets])?;
     let (p, y) = (&xs[0], &xs[1]);
     let (pd, yd) = (p.detach(), y.detach());
@@ -514,28 +653,51 @@ pub fn binary_cross_entropy(probs: &Tensor, targets: &Tensor) -> Result<Tensor> 
 
 /// `a + b` (broadcasting), mixed types promoted.
 pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[a, b], |x| add(&x[0], &x[1])) {
+        return r;
+    }
+    // On CUDA: the promotion's cast and the add as one kernel (kernels/cuda/rows.cu).
+    if kernels::enabled()
+        && !a.device().is_cpu()
+        && let Some(out) = prepared_type("add", &[a.dtype(), b.dtype()])
+        && let Some(y) = kernels::cuda::rows::add_cast(a, b, out)?
+    {
+        return rec("add", Ok(y));
+    }
     // Half tensors on the CPU: one node in f32 arithmetic (the same rounding as candle's).
     promote2("add", a, b, kernels::elementwise::add)
 }
 
 /// `a - b` (broadcasting), mixed types promoted.
 pub fn sub(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[a, b], |x| sub(&x[0], &x[1])) {
+        return r;
+    }
     promote2("sub", a, b, |a, b| a.broadcast_sub(b))
 }
 
 /// `a * b` (broadcasting), mixed types promoted.
 pub fn mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[a, b], |x| mul(&x[0], &x[1])) {
+        return r;
+    }
     promote2("mul", a, b, |a, b| a.broadcast_mul(b))
 }
 
 /// `a / b` (broadcasting), mixed types promoted.
 pub fn div(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[a, b], |x| div(&x[0], &x[1])) {
+        return r;
+    }
     promote2("div", a, b, |a, b| a.broadcast_div(b))
 }
 
 /// Element-wise comparison `a op b` (broadcasting) as a u8 mask, mixed types promoted
 /// (Apex's `eq`, `ne`, `lt`, `le`, `gt`, `ge`; `op` is candle's [`CmpOp`]).
 pub fn cmp(a: &Tensor, b: &Tensor, op: CmpOp) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[a, b], |x| cmp(&x[0], &x[1], op)) {
+        return r;
+    }
     let name = match op {
         CmpOp::Eq => "eq",
         CmpOp::Ne => "ne",
@@ -556,17 +718,32 @@ pub fn cmp(a: &Tensor, b: &Tensor, op: CmpOp) -> Result<Tensor> {
 
 /// `mask ? on_true : on_false`, the two values promoted.
 pub fn where_cond(mask: &Tensor, on_true: &Tensor, on_false: &Tensor) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[mask, on_true, on_false], |x| where_cond(&x[0], &x[1], &x[2])) {
+        return r;
+    }
     promote2("where", on_true, on_false, |t, f| mask.where_cond(t, f))
 }
 
 /// Concatenation along `dim`, mixed types promoted.
 pub fn cat(xs: &[&Tensor], dim: usize) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(xs, |x| {
+        let refs: Vec<&Tensor> = x.iter().collect();
+        cat(&refs, dim)
+    }) {
+        return r;
+    }
     let (xs, _) = prepare("cat", xs)?;
     rec("cat", Tensor::cat(&xs, dim))
 }
 
 /// Stacking along a new `dim`, mixed types promoted.
 pub fn stack(xs: &[&Tensor], dim: usize) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(xs, |x| {
+        let refs: Vec<&Tensor> = x.iter().collect();
+        stack(&refs, dim)
+    }) {
+        return r;
+    }
     let (xs, _) = prepare("stack", xs)?;
     rec("stack", Tensor::stack(&xs, dim))
 }

@@ -2,14 +2,21 @@
 //! memory pool's settings ([`pool`]) and the fused kernels, CUDA C compiled at run time by
 //! NVRTC ([`softmax`]: attention's scale + mask + softmax and its backward; [`norm`]: LayerNorm
 //! and RMSNorm, forward and backward; [`xent`]: cross entropy fused with the softmax over the
-//! classes, forward and backward), built and loaded through `nvrtc.rs` from a shared
-//! `prelude.cuh`.
+//! classes, forward and backward; [`flash`]: attention without the stored scores,
+//! FlashAttention-2's tiling, forward and backward; [`multi_tensor`]: the optimizer side, the
+//! unscale and finite check and the AdamW/SGD updates over all parameters in one launch;
+//! [`rows`]: a linear layer's bias + GELU and the add of two float types fused with its cast,
+//! forward and backward),
+//! built and loaded through `nvrtc.rs` from a shared `prelude.cuh`.
 
 #[cfg(feature = "cuda")]
 pub(crate) mod buffers;
+pub(crate) mod flash;
+pub(crate) mod multi_tensor;
 pub(crate) mod norm;
 #[cfg(feature = "cuda")]
 mod nvrtc;
 pub(crate) mod pool;
+pub(crate) mod rows;
 pub(crate) mod softmax;
 pub(crate) mod xent;

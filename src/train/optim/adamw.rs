@@ -23,7 +23,8 @@ pub struct AdamWConfig {
     pub eps: f64,
     /// Decoupled weight decay (0.01).
     pub weight_decay: f64,
-    /// Run the fused one-pass update on the CPU (`true`, the default); `false` runs the same
+    /// Run the fused one-pass update (`true`, the default): on the CPU per parameter, on CUDA
+    /// one kernel launch over all parameters (with the `cuda` feature); `false` runs the same
     /// arithmetic as tensor ops (what other devices always do).
     pub fused: bool,
 }
@@ -94,6 +95,75 @@ impl AdamW {
         }
     }
 
+    /// The whole step in one launch of the multi-tensor kernel (CUDA, every parameter f32
+    /// with f32 state, see `kernels::cuda::multi_tensor`): the same arithmetic as
+    /// [`update`](Optimizer::update), the masters and working copies written in place and the
+    /// moments replaced by new buffers (a snapshot taken before keeps the old ones). `false`
+    /// where it does not apply: nothing was changed and the tensor path runs.
+    #[cfg(feature = "cuda")]
+    fn cuda_step(&mut self, params: &[ParamUpdate<'_>]) -> Result<bool> {
+        use crate::kernels::cuda::multi_tensor::{MtAdamW, StepItem, adamw_step};
+        let c = self.config;
+        if params.is_empty() || !params.iter().all(|p| p.var.device().is_cuda()) {
+            return Ok(false);
+        }
+        // The moments as device tensors (uploaded once if they were loaded on the host);
+        // none yet: zeros, read as such by the kernel (no upload).
+        let mut moments = Vec::with_capacity(params.len());
+        let mut consts = Vec::with_capacity(params.len());
+        for p in params {
+            let (m, step) = match self.state.get_mut(p.name) {
+                Some(st) if st.shape.as_slice() == p.var.dims() => {
+                    let shape = st.shape.clone();
+                    let dev = p.var.device();
+                    let m = st.bufs[0].1.tensor(&shape, dev)?;
+                    let v = st.bufs[1].1.tensor(&shape, dev)?;
+                    (Some([m, v]), st.step)
+                }
+                Some(_) => return Ok(false),
+                None => (None, 0),
+            };
+            moments.push(m);
+            consts.push(MtAdamW::new(
+                p.hyper.lr,
+                c.beta1,
+                c.beta2,
+                c.eps,
+                p.hyper.weight_decay,
+                step + 1,
+            ));
+        }
+        let items: Vec<StepItem<'_>> = params
+            .iter()
+            .zip(&moments)
+            .map(|(p, m)| StepItem {
+                param: p.var.as_tensor(),
+                grad: p.grad,
+                state_in: match m {
+                    Some([m, v]) => vec![Some(m), Some(v)],
+                    None => vec![None, None],
+                },
+                working: p.working.map(|w| w.as_tensor()),
+            })
+            .collect();
+        let Some(new) = adamw_step(&items, &consts)? else {
+            return Ok(false);
+        };
+        for (p, mut bufs) in params.iter().zip(new) {
+            let (Some(v), Some(m)) = (bufs.pop(), bufs.pop()) else {
+                continue;
+            };
+            let st = self
+                .state
+                .entry(p.name.to_string())
+                .or_insert_with(|| Slots::zeros(&[], &[]));
+            st.shape = p.var.dims().to_vec();
+            st.bufs = vec![(BUFS[0], fused::Buf::Device(m)), (BUFS[1], fused::Buf::Device(v))];
+            st.step += 1;
+        }
+        Ok(true)
+    }
+
     fn slots(&mut self, p: &ParamUpdate<'_>) -> &mut Slots {
         self.state
             .entry(p.name.to_string())
@@ -157,6 +227,11 @@ impl Optimizer for AdamW {
     }
 
     fn step(&mut self, params: &[ParamUpdate<'_>]) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if self.config.fused && crate::kernels::enabled() && self.cuda_step(params)? {
+            fused::invalidate_all_of(params);
+            return Ok(());
+        }
         if !(self.config.fused && fused::fusable(params)) {
             let stepped = super::default_step(self, params);
             // `Var::set` keeps the ids: autocast must not serve casts of the old values.

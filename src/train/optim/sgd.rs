@@ -24,7 +24,8 @@ pub struct SgdConfig {
     pub weight_decay: f64,
     /// Nesterov momentum (needs momentum > 0 and dampening 0).
     pub nesterov: bool,
-    /// Run the fused one-pass update on the CPU (`true`, the default); `false` runs the same
+    /// Run the fused one-pass update (`true`, the default): on the CPU per parameter, on CUDA
+    /// one kernel launch over all parameters (with the `cuda` feature); `false` runs the same
     /// arithmetic as tensor ops (what other devices always do).
     pub fused: bool,
 }
@@ -89,6 +90,66 @@ impl Sgd {
             st.bufs.push((BUF[0], fused::Buf::Host(vec![0f32; p.var.elem_count()])));
         }
         (st, first)
+    }
+
+    /// The whole step in one launch of the multi-tensor kernel (CUDA, every parameter f32,
+    /// see `kernels::cuda::multi_tensor`): the same arithmetic as
+    /// [`update`](Optimizer::update), the parameters and working copies written in place and
+    /// the momentum buffers replaced by new ones (a snapshot taken before keeps the old ones).
+    /// `false` where it does not apply: nothing was changed and the tensor path runs.
+    #[cfg(feature = "cuda")]
+    fn cuda_step(&mut self, params: &[ParamUpdate<'_>]) -> Result<bool> {
+        use crate::kernels::cuda::multi_tensor::{MtSgd, StepItem, sgd_step};
+        let c = self.config;
+        let momentum = c.momentum != 0.0;
+        if params.is_empty() || !params.iter().all(|p| p.var.device().is_cuda()) {
+            return Ok(false);
+        }
+        // Read without changing the state (`slots` would start buffers): the tensor path
+        // must find it as it was if the kernel does not apply.
+        let mut bufs = Vec::with_capacity(params.len());
+        for p in params {
+            let b = match self.state.get_mut(p.name) {
+                Some(st) if momentum && !st.bufs.is_empty() => {
+                    if st.shape.as_slice() != p.var.dims() {
+                        return Ok(false);
+                    }
+                    let shape = st.shape.clone();
+                    Some(st.bufs[0].1.tensor(&shape, p.var.device())?)
+                }
+                _ => None,
+            };
+            bufs.push(b);
+        }
+        let consts: Vec<MtSgd> = params
+            .iter()
+            .map(|p| MtSgd::new(p.hyper.lr, p.hyper.weight_decay, c.momentum, c.dampening, c.nesterov))
+            .collect();
+        let items: Vec<StepItem<'_>> = params
+            .iter()
+            .zip(&bufs)
+            .map(|(p, b)| StepItem {
+                param: p.var.as_tensor(),
+                grad: p.grad,
+                state_in: if momentum { vec![b.as_ref()] } else { Vec::new() },
+                working: p.working.map(|w| w.as_tensor()),
+            })
+            .collect();
+        let Some(new) = sgd_step(&items, &consts, momentum)? else {
+            return Ok(false);
+        };
+        for (p, mut out) in params.iter().zip(new) {
+            let st = self
+                .state
+                .entry(p.name.to_string())
+                .or_insert_with(|| Slots::zeros(p.var.dims(), &[]));
+            if let Some(b) = out.pop() {
+                st.shape = p.var.dims().to_vec();
+                st.bufs = vec![(BUF[0], fused::Buf::Device(b))];
+            }
+            st.step += 1;
+        }
+        Ok(true)
     }
 
     fn consts(&self, hyper: GroupHyper, first: bool) -> SgdConsts {
@@ -170,6 +231,11 @@ impl Optimizer for Sgd {
     }
 
     fn step(&mut self, params: &[ParamUpdate<'_>]) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if self.config.fused && crate::kernels::enabled() && self.cuda_step(params)? {
+            fused::invalidate_all_of(params);
+            return Ok(());
+        }
         if !(self.config.fused && fused::fusable(params)) {
             let stepped = super::default_step(self, params);
             // `Var::set` keeps the ids: autocast must not serve casts of the old values.

@@ -83,10 +83,21 @@ impl AmpOptimizer {
             // Tensor ops on the device, checked there: each master gradient this backward
             // makes (the sum, when micro-batches accumulate: two finite gradients can
             // overflow together) gets a flag, read by the pipeline before anything is written.
+            // On CUDA one kernel launch makes them all (the same arithmetic); what it does not
+            // take (another type, an empty tensor) runs the tensor ops below.
+            // The flags stay in the parameters' order (the reports list names in it).
+            let mut made = self.unscale_on_cuda(grads, params, scale)?;
             for (name, var) in params {
                 let Some(raw) = grads.get(var.as_tensor()) else {
                     continue;
                 };
+                if let Some((g, flag)) = made.remove(name) {
+                    if check {
+                        out.device_flags.push((name.clone(), flag));
+                    }
+                    out.grads.push((name.clone(), g));
+                    continue;
+                }
                 let g = crate::kernels::unscale::unscale_tensor(raw, scale)?;
                 let g = match self.grads.get(name) {
                     Some(live) => (live + g.reshape(live.shape())?)?.detach(),
@@ -151,6 +162,38 @@ impl AmpOptimizer {
             }
         }
         Ok(out)
+    }
+
+    /// The device path's unscale and check of `params`' raw gradients by the multi-tensor
+    /// kernel, in one launch (CUDA, kernels on): each master gradient and flag it made, by
+    /// parameter name; the rest are left to the tensor ops.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    fn unscale_on_cuda(
+        &self,
+        grads: &candle_core::backprop::GradStore,
+        params: &[(String, Var)],
+        scale: f32,
+    ) -> Result<std::collections::HashMap<String, (Tensor, Tensor)>> {
+        #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+        let mut made = std::collections::HashMap::new();
+        #[cfg(feature = "cuda")]
+        if crate::kernels::enabled() && self.run.store.device().is_cuda() {
+            let mut names = Vec::new();
+            let mut items = Vec::new();
+            for (name, var) in params {
+                if let Some(raw) = grads.get(var.as_tensor()) {
+                    names.push(name);
+                    items.push((raw, self.grads.get(name)));
+                }
+            }
+            let out = crate::kernels::cuda::multi_tensor::unscale_check(&items, scale)?;
+            for (name, m) in names.into_iter().zip(out) {
+                if let Some(m) = m {
+                    made.insert(name.clone(), m);
+                }
+            }
+        }
+        Ok(made)
     }
 
     /// The first write of a backward: adds the raw gradients `u` holds into the live master

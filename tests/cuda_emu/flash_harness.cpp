@@ -1,0 +1,85 @@
+// Runs src/kernels/cuda/flash.cu's kernels on the CPU grid emulator, for tests/cuda_flash.rs:
+// inputs and outputs as raw little-endian files (f32, or the 16-bit patterns of f16/bf16; LSE
+// and Delta f32), kernels, grids and blocks as the library's launch plan gives them.
+//
+//   flash_harness fwd FWD GRID BLOCK BH T SCALE CAUSAL Q K V O LSE
+//   flash_harness bwd PRE GRID BLOCK DKV GRID BLOCK DQ GRID BLOCK BH T SCALE CAUSAL Q K V O DO LSE DQKV
+//
+// The backward runs the three kernels in order, as the library does: Delta, then dK and dV,
+// then dQ, into one buffer of dq, dk, dv one after the other.
+#include "emu.h"
+#include "flash.cu"
+
+#include "harness.h"
+
+typedef void (*FwdFn)(AMP_FLASH_FWD_ARGS);
+typedef void (*PreFn)(AMP_FLASH_PRE_ARGS);
+typedef void (*BwdFn)(AMP_FLASH_BWD_ARGS);
+
+#define FWD(T, nt, D, c, BR, BC, TPR) {"amp_flash_fwd_" #nt "_d" #D #c, amp_flash_fwd_##nt##_d##D##c},
+#define DKV(T, nt, D, c, BR, BC, TPR) {"amp_flash_bwd_dkv_" #nt "_d" #D #c, amp_flash_bwd_dkv_##nt##_d##D##c},
+#define DQ(T, nt, D, c, BR, BC, TPR) {"amp_flash_bwd_dq_" #nt "_d" #D #c, amp_flash_bwd_dq_##nt##_d##D##c},
+#define FWDS(D, c, BR, BC, TPR, _) AMP_FLASH_TYPES(FWD, D, c, BR, BC, TPR)
+#define DKVS(D, c, BR, BC, TPR, _) AMP_FLASH_TYPES(DKV, D, c, BR, BC, TPR)
+#define DQS(D, c, BR, BC, TPR, _) AMP_FLASH_TYPES(DQ, D, c, BR, BC, TPR)
+#define PRE(T, nt, D) {"amp_flash_bwd_pre_" #nt "_d" #D, amp_flash_bwd_pre_##nt##_d##D},
+#define PRES(D, _) AMP_FLASH_TYPES(PRE, D)
+
+static const std::map<std::string, FwdFn> kFwd = {AMP_FLASH_CONFIGS(FWDS, _)};
+static const std::map<std::string, BwdFn> kDkv = {AMP_FLASH_CONFIGS(DKVS, _)};
+static const std::map<std::string, BwdFn> kDq = {AMP_FLASH_CONFIGS(DQS, _)};
+static const std::map<std::string, PreFn> kPre = {AMP_FLASH_HEAD_DIMS(PRES, _)};
+
+template <typename F> static F find(const std::map<std::string, F>& m, const char* name) {
+    auto it = m.find(name);
+    if (it == m.end()) {
+        std::fprintf(stderr, "no kernel %s\n", name);
+        std::exit(2);
+    }
+    return it->second;
+}
+
+static dim3 dim(const char* s) { return dim3{(unsigned)std::atol(s), 1, 1}; }
+
+int main(int argc, char** argv) {
+    if (argc < 2) return 2;
+    const std::string pass = argv[1];
+    if (pass == "fwd" && argc == 14) {
+        const FwdFn f = find(kFwd, argv[2]);
+        const dim3 grid = dim(argv[3]), block = dim(argv[4]);
+        const int bh = std::atoi(argv[5]), t = std::atoi(argv[6]);
+        const float scale = std::strtof(argv[7], nullptr);
+        const int causal = std::atoi(argv[8]);
+        const std::vector<char> q = read_file(argv[9]), k = read_file(argv[10]), v = read_file(argv[11]);
+        // Filled with a pattern, so a value the kernel fails to write shows as a wrong value.
+        std::vector<char> o(q.size(), (char)0x7f), lse((size_t)bh * t * 4, (char)0x7f);
+        float* lp = (float*)lse.data();
+        emu::launch(grid, block, [&] { f(q.data(), k.data(), v.data(), o.data(), lp, bh, t, scale, causal); });
+        write_file(argv[12], o);
+        write_file(argv[13], lse);
+        return 0;
+    }
+    if (pass == "bwd" && argc == 22) {
+        const PreFn pre = find(kPre, argv[2]);
+        const BwdFn dkv = find(kDkv, argv[5]), dq = find(kDq, argv[8]);
+        const int bh = std::atoi(argv[11]), t = std::atoi(argv[12]);
+        const float scale = std::strtof(argv[13], nullptr);
+        const int causal = std::atoi(argv[14]);
+        const std::vector<char> q = read_file(argv[15]), k = read_file(argv[16]), v = read_file(argv[17]);
+        const std::vector<char> o = read_file(argv[18]), dout = read_file(argv[19]), lse = read_file(argv[20]);
+        std::vector<float> delta((size_t)bh * t, 12345.0f);
+        std::vector<char> dqkv(3 * q.size(), (char)0x7f);
+        const float* lp = (const float*)lse.data();
+        emu::launch(dim(argv[3]), dim(argv[4]), [&] { pre(o.data(), dout.data(), delta.data(), bh * t); });
+        emu::launch(dim(argv[6]), dim(argv[7]), [&] {
+            dkv(q.data(), k.data(), v.data(), dout.data(), lp, delta.data(), dqkv.data(), bh, t, scale, causal);
+        });
+        emu::launch(dim(argv[9]), dim(argv[10]), [&] {
+            dq(q.data(), k.data(), v.data(), dout.data(), lp, delta.data(), dqkv.data(), bh, t, scale, causal);
+        });
+        write_file(argv[21], dqkv);
+        return 0;
+    }
+    std::fprintf(stderr, "usage: see the comment at the top of flash_harness.cpp\n");
+    return 2;
+}
