@@ -78,7 +78,8 @@ pub enum AmpError {
     #[error(
         "gradients were non-finite for {skips} consecutive steps (loss scaler {loss_id}, loss scale {scale}); \
          non-finite gradients in: {params}. The forward pass or the loss itself produces inf/NaN: check the \
-         inputs, lower the learning rate, or run at O0 to find the op that overflows"
+         inputs, lower the learning rate, or run at O0 to find the op that overflows (a model ported from \
+         candle-transformers: an f32::MIN or -inf mask in half is the usual cause, see docs/porting.md)"
     )]
     PersistentOverflow {
         /// The scaler that kept skipping.

@@ -51,6 +51,11 @@
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
 
+// The guides' code blocks too.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/porting.md")]
+pub struct PortingDoctests;
+
 mod amp;
 pub mod checkpoint;
 mod comm;
@@ -62,6 +67,7 @@ pub mod doctor;
 mod error;
 mod files;
 pub mod kernels;
+pub mod models;
 pub mod nn;
 mod precision;
 pub mod recompute;

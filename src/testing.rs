@@ -88,18 +88,21 @@ pub fn cuda_softmax_loaded(device: &candle_core::Device) -> bool {
 /// The launches of the CUDA attention kernels (`src/kernels/cuda/flash.cu`) for `bh` (batch
 /// x heads) matrices of `t` rows of head dimension `d` of `dt`: forward, `Delta`, dK/dV and dQ,
 /// each `(kernel name, grid, block)`, or `None` where the composed ops run instead. `small`
-/// forces the small (`Some(true)`) or the large tile; `None` lets the plan choose. The tests
-/// run the same plan on the CPU grid emulator.
+/// forces the small (`Some(true)`) or the large tile of the FMA kernels; `None` lets the plan
+/// choose, as on a device with (`tensor_cores`, compute capability 8.0+) or without tensor
+/// cores: the tensor-core kernels for f16 and bf16 there. The tests run the same plan on the
+/// CPU grid emulator.
 pub fn cuda_flash_launches(
     bh: usize,
     t: usize,
     d: usize,
     dt: candle_core::DType,
     small: Option<bool>,
+    tensor_cores: bool,
 ) -> Option<[(String, u32, u32); 4]> {
     use crate::kernels::cuda::flash::{Tiles, flash_plan};
     let which = small.map(|s| if s { Tiles::Small } else { Tiles::Large });
-    let p = flash_plan(bh, t, d, dt, which)?;
+    let p = flash_plan(bh, t, d, dt, which, tensor_cores)?;
     Some([p.forward, p.pre, p.dkv, p.dq].map(|l| (l.kernel, l.grid, l.block)))
 }
 
@@ -113,6 +116,19 @@ pub fn cuda_flash_loaded(device: &candle_core::Device) -> bool {
     }
     let _ = device;
     false
+}
+
+/// `None` where `device` cannot run the tensor-core attention kernels
+/// (`src/kernels/cuda/flash_mma.cu`: off CUDA, without the `cuda` feature, compute capability
+/// below 8.0), else whether they are compiled and loaded (compiling and loading them if not
+/// yet): on such a device f16 and bf16 attention runs on them.
+pub fn cuda_flash_tensor_cores(device: &candle_core::Device) -> Option<bool> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        return crate::kernels::cuda::flash::tensor_cores_loaded(d);
+    }
+    let _ = device;
+    None
 }
 
 /// Whether the CUDA norm kernels (`src/kernels/cuda/norm.cu`) are compiled and loaded on

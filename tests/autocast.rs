@@ -118,9 +118,14 @@ fn promotion_to_the_widest_type() {
     let m = ops::cmp(&h, &f, ops::CmpOp::Gt).unwrap();
     assert_eq!(m.dtype(), DType::U8);
     assert_eq!(ops::where_cond(&m, &h, &f).unwrap().dtype(), DType::F32);
-    // Without autocast the same mix is candle's dtype error.
+    // Without autocast the same mix still promotes (PyTorch's type promotion; candle alone
+    // refuses it), and the values are the f32 op's.
     drop(_s);
-    assert!(ops::mul(&h, &f).is_err());
+    let p = ops::mul(&h, &f).unwrap();
+    assert_eq!(p.dtype(), DType::F32);
+    let want = (h.to_dtype(DType::F32).unwrap() * &f).unwrap();
+    assert_eq!(common::flat(&p), common::flat(&want));
+    assert_eq!(ops::cat(&[&b, &h], 1).unwrap().dtype(), DType::F32);
 }
 
 #[test]

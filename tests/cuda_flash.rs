@@ -5,8 +5,12 @@
 //! the forward's O and LSE, as the library's does). Each value must lie within `atol + |ref| *
 //! eps` of the type's rounding plus a bound on f32's error derived per value from the
 //! magnitudes of the terms summed into it (the kernels sum in another order than the
-//! reference). Needs g++ (C++20). Under `CANDLE_AMP_TEST_DEVICE=cuda` the last test compares
-//! `nn::scaled_dot_product_attention` on CUDA (the kernels) with its CPU path.
+//! reference). The tensor-core kernels (`flash_mma.cu`) run there too, their `mma` being the PTX
+//! ISA's documented fragment layout (`tests/cuda_emu/mma.h`), with the half rounding of P and
+//! dS added to the bound. Needs g++ (C++20). Under `CANDLE_AMP_TEST_DEVICE=cuda` the last test
+//! compares `nn::scaled_dot_product_attention` on CUDA (the kernels: the tensor-core ones for
+//! f16 and bf16 on compute capability 8.0+) with its CPU path, which is what confirms that the
+//! hardware's fragment layout is the documented one.
 
 mod common;
 #[path = "cuda_emu/mod.rs"]
@@ -53,7 +57,10 @@ const F32_ERR: f64 = 2.5e-7;
 
 // Index loops: the formulas read as the maths does.
 #[allow(clippy::needless_range_loop)]
-fn reference(c: &Case, q: &[f64], k: &[f64], v: &[f64], dout: &[f64], o_eps: f64) -> Reference {
+// `o_eps`: the rounding of the O that Delta reads; `p_eps`: the rounding of P and dS before
+// their products (the tensor-core kernels round them to the half type; 0 for the FMA kernels).
+#[allow(clippy::too_many_arguments)]
+fn reference(c: &Case, q: &[f64], k: &[f64], v: &[f64], dout: &[f64], o_eps: f64, p_eps: f64) -> Reference {
     let (t, d, s) = (c.t, c.d, c.scale);
     let n = c.bh * t * d;
     let mut r = Reference {
@@ -100,7 +107,7 @@ fn reference(c: &Case, q: &[f64], k: &[f64], v: &[f64], dout: &[f64], o_eps: f64
             let o: Vec<f64> = (0..d).map(|e| (0..live).map(|j| p[i][j] * vm[j][e]).sum()).collect();
             for e in 0..d {
                 r.o[(m * t + i) * d + e] = o[e];
-                r.o_err[(m * t + i) * d + e] = cf * (0..live).map(|j| p[i][j] * vm[j][e].abs()).sum::<f64>();
+                r.o_err[(m * t + i) * d + e] = (cf + p_eps) * (0..live).map(|j| p[i][j] * vm[j][e].abs()).sum::<f64>();
             }
             let delta = dot(&dm[i], &o);
             let dmag = absdot(&dm[i], &o);
@@ -109,7 +116,8 @@ fn reference(c: &Case, q: &[f64], k: &[f64], v: &[f64], dout: &[f64], o_eps: f64
                 let dpmag = absdot(&dm[i], &vm[j]);
                 ds[i][j] = p[i][j] * (dp - delta);
                 // Delta is taken from O rounded to the inputs' type: o_eps of its magnitude.
-                ds_err[i][j] = p[i][j] * (cf * (dp.abs() + delta.abs() + dpmag + dmag) + o_eps * dmag);
+                ds_err[i][j] =
+                    p[i][j] * (cf * (dp.abs() + delta.abs() + dpmag + dmag) + o_eps * dmag) + p_eps * ds[i][j].abs();
             }
         }
         for i in 0..t {
@@ -126,7 +134,7 @@ fn reference(c: &Case, q: &[f64], k: &[f64], v: &[f64], dout: &[f64], o_eps: f64
                 r.dk[idx] = s * (0..t).map(|i| ds[i][j] * qm[i][e]).sum::<f64>();
                 let cf = F32_ERR * (4.0 + (t as f64).sqrt());
                 r.dv_err[idx] = (0..t)
-                    .map(|i| p[i][j] * dm[i][e].abs() * (cf + F32_ERR * (2.0 * r.smag[m * t + i] + 4.0)))
+                    .map(|i| p[i][j] * dm[i][e].abs() * (cf + p_eps + F32_ERR * (2.0 * r.smag[m * t + i] + 4.0)))
                     .sum::<f64>();
                 r.dk_err[idx] = s * (0..t).map(|i| ds_err[i][j] * qm[i][e].abs()).sum::<f64>();
             }
@@ -153,10 +161,20 @@ fn path(p: &Path) -> String {
     p.to_str().unwrap().to_string()
 }
 
-/// Runs one case's forward and backward on the emulator in `dt` and checks them.
+/// Runs one case's forward and backward on the emulator in `dt` and checks them: the FMA
+/// kernels (the tile `c.small` says).
 fn run_case(c: &Case, dt: DType, dir: &Path, seed: u64) {
+    let launches = cuda_flash_launches(c.bh, c.t, c.d, dt, Some(c.small), false).expect("a plan");
+    run_launches(c, launches, dt, dir, seed, false);
+}
+
+/// As [`run_case`] for the kernels `launches` (the FMA or the tensor-core ones: a kernel name
+/// ending in `m`); `misalign`: the inputs 2 bytes past a 16-byte boundary (the harness's
+/// AMP_EMU_MISALIGN, as a view at an odd offset).
+fn run_launches(c: &Case, launches: [(String, u32, u32); 4], dt: DType, dir: &Path, seed: u64, misalign: bool) {
     let n = c.bh * c.t * c.d;
-    let [fwd, pre, dkv, dq] = cuda_flash_launches(c.bh, c.t, c.d, dt, Some(c.small)).expect("a plan");
+    let [fwd, pre, dkv, dq] = launches;
+    let mma = fwd.0.ends_with('m');
     let (qb, qh) = encode(&values(n, seed, 2.0), dt);
     let (kb, kh) = encode(&values(n, seed + 1, 2.0), dt);
     let (vb, vh) = encode(&values(n, seed + 2, 1.0), dt);
@@ -173,7 +191,9 @@ fn run_case(c: &Case, dt: DType, dir: &Path, seed: u64) {
         c.scale.to_string(),
         (c.causal as i32).to_string(),
     ];
+    let misalign = if misalign { "1" } else { "0" };
     let st = Command::new(cuda_emu::harness("flash"))
+        .env("AMP_EMU_MISALIGN", misalign)
         .args(["fwd".to_string(), fwd.0.clone(), fwd.1.to_string(), fwd.2.to_string()])
         .args(&common)
         .args([&qp, &kp, &vp, &op, &lp])
@@ -185,6 +205,7 @@ fn run_case(c: &Case, dt: DType, dir: &Path, seed: u64) {
         args.extend([l.0.clone(), l.1.to_string(), l.2.to_string()]);
     }
     let st = Command::new(cuda_emu::harness("flash"))
+        .env("AMP_EMU_MISALIGN", misalign)
         .args(&args)
         .args(&common)
         .args([&qp, &kp, &vp, &op, &dp, &lp, &gp])
@@ -198,7 +219,9 @@ fn run_case(c: &Case, dt: DType, dir: &Path, seed: u64) {
     let o_eps = if dt == DType::F32 { 0.0 } else { eps(dt) };
     // The reference's scale is the f32 the kernel gets.
     let scale = c.scale as f32 as f64;
-    let r = reference(&Case { scale, ..*c }, &qh, &kh, &vh, &dh, o_eps);
+    // The tensor-core kernels round P and dS to the half type before their products.
+    let p_eps = if mma { eps(dt) } else { 0.0 };
+    let r = reference(&Case { scale, ..*c }, &qh, &kh, &vh, &dh, o_eps, p_eps);
     let what = format!(
         "{} {dt:?} bh {} t {} d {} causal {} scale {}",
         fwd.0, c.bh, c.t, c.d, c.causal, c.scale
@@ -276,6 +299,44 @@ fn flash_attention_forward_and_backward_on_the_emulator() {
     );
 }
 
+/// The tensor-core kernels (`flash_mma.cu`, f16 and bf16) on the emulator, whose `mma` is the
+/// PTX ISA's documented fragment layout (`tests/cuda_emu/mma.h`): every length from one row to
+/// several tiles of 64 with a ragged end, both head dimensions, causal or not, both half types.
+/// The bound adds one half rounding of every P and dS term (the kernels round them before
+/// their products).
+#[test]
+fn flash_attention_on_tensor_cores_on_the_emulator() {
+    let dir = cuda_emu::scratch("flash", "mma");
+    #[rustfmt::skip]
+    let cases = [
+        (Case { bh: 2, t: 1, d: 64, causal: true, scale: 0.3, small: false }, DType::F16),
+        (Case { bh: 1, t: 1, d: 128, causal: false, scale: 0.09, small: false }, DType::BF16),
+        (Case { bh: 2, t: 17, d: 128, causal: true, scale: 0.09, small: false }, DType::BF16),
+        (Case { bh: 3, t: 17, d: 64, causal: false, scale: 0.2, small: false }, DType::F16),
+        (Case { bh: 1, t: 64, d: 64, causal: true, scale: 0.125, small: false }, DType::BF16),
+        (Case { bh: 1, t: 64, d: 128, causal: false, scale: 0.0884, small: false }, DType::F16),
+        (Case { bh: 1, t: 130, d: 128, causal: false, scale: 0.0884, small: false }, DType::F16),
+        (Case { bh: 1, t: 130, d: 64, causal: true, scale: 0.125, small: false }, DType::BF16),
+        (Case { bh: 1, t: 260, d: 64, causal: false, scale: 0.125, small: false }, DType::BF16),
+        (Case { bh: 1, t: 260, d: 128, causal: true, scale: 0.0884, small: false }, DType::F16),
+    ];
+    for (k, (c, dt)) in cases.iter().enumerate() {
+        let launches = cuda_flash_launches(c.bh, c.t, c.d, *dt, None, true).expect("a plan");
+        assert!(launches[0].0.ends_with('m'), "{:?}", launches[0]);
+        run_launches(c, launches, *dt, &dir, 200 + k as u64, false);
+    }
+    // Inputs not 16-byte aligned: the tiles are loaded 16 bits at a time.
+    #[rustfmt::skip]
+    let cases = [
+        (Case { bh: 1, t: 70, d: 128, causal: true, scale: 0.0884, small: false }, DType::BF16),
+        (Case { bh: 2, t: 17, d: 64, causal: false, scale: 0.2, small: false }, DType::F16),
+    ];
+    for (k, (c, dt)) in cases.iter().enumerate() {
+        let launches = cuda_flash_launches(c.bh, c.t, c.d, *dt, None, true).expect("a plan");
+        run_launches(c, launches, *dt, &dir, 300 + k as u64, true);
+    }
+}
+
 #[test]
 fn non_finite_scores_propagate_on_the_emulator() {
     // A NaN in one query row makes that row's output and LSE NaN and leaves the others finite
@@ -284,7 +345,7 @@ fn non_finite_scores_propagate_on_the_emulator() {
     let dir = cuda_emu::scratch("flash", "nonfinite");
     let (bh, t, d) = (1usize, 17usize, 64usize);
     let n = bh * t * d;
-    let [fwd, ..] = cuda_flash_launches(bh, t, d, DType::F32, Some(true)).unwrap();
+    let [fwd, ..] = cuda_flash_launches(bh, t, d, DType::F32, Some(true), false).unwrap();
     for (bad_q, bad_k) in [(Some(3usize), None), (None, Some(5usize))] {
         let mut q = values(n, 1, 2.0);
         let mut k = values(n, 2, 2.0);
@@ -323,7 +384,7 @@ fn non_finite_scores_propagate_on_the_emulator() {
 fn flash_plan_covers_every_row_and_falls_back() {
     for (t, d) in [(1usize, 64usize), (17, 64), (1024, 64), (70, 128), (4096, 128)] {
         for small in [None, Some(true), Some(false)] {
-            let [fwd, pre, dkv, dq] = cuda_flash_launches(12, t, d, DType::BF16, small).unwrap();
+            let [fwd, pre, dkv, dq] = cuda_flash_launches(12, t, d, DType::BF16, small, false).unwrap();
             let (br, bc) = match (d, fwd.0.ends_with('s')) {
                 (_, true) => (8, 8),
                 (64, false) => (32, 32),
@@ -337,20 +398,39 @@ fn flash_plan_covers_every_row_and_falls_back() {
     }
     // The plan's own choice: the large tile once its grid fills the GPU.
     assert!(
-        cuda_flash_launches(96, 1024, 64, DType::BF16, None).unwrap()[0]
+        cuda_flash_launches(96, 1024, 64, DType::BF16, None, false).unwrap()[0]
             .0
             .ends_with('l')
     );
     assert!(
-        cuda_flash_launches(1, 64, 64, DType::BF16, None).unwrap()[0]
+        cuda_flash_launches(1, 64, 64, DType::BF16, None, false).unwrap()[0]
             .0
             .ends_with('s')
     );
+    // With tensor cores (compute capability 8.0+): f16 and bf16 on flash_mma.cu's kernels,
+    // 64 rows per block of 128 threads in each pass; f32 keeps flash.cu's.
+    for (t, d, dt) in [
+        (1usize, 64usize, DType::F16),
+        (130, 128, DType::BF16),
+        (1024, 64, DType::BF16),
+    ] {
+        let [fwd, pre, dkv, dq] = cuda_flash_launches(12, t, d, dt, None, true).unwrap();
+        for l in [&fwd, &dkv, &dq] {
+            assert!(l.0.ends_with(&format!("_d{d}m")), "{l:?}");
+            assert_eq!((l.1 as usize, l.2), (12 * t.div_ceil(64), 128), "{l:?}");
+        }
+        assert!(pre.1 as usize * pre.2 as usize / 32 >= 12 * t, "{pre:?}");
+    }
+    assert!(
+        !cuda_flash_launches(96, 1024, 64, DType::F32, None, true).unwrap()[0]
+            .0
+            .ends_with('m')
+    );
     // No kernel: another head dimension or type, an empty tensor.
-    assert!(cuda_flash_launches(2, 16, 96, DType::F32, None).is_none());
-    assert!(cuda_flash_launches(2, 16, 64, DType::F64, None).is_none());
-    assert!(cuda_flash_launches(0, 16, 64, DType::F32, None).is_none());
-    assert!(cuda_flash_launches(2, 0, 64, DType::F32, None).is_none());
+    assert!(cuda_flash_launches(2, 16, 96, DType::F32, None, true).is_none());
+    assert!(cuda_flash_launches(2, 16, 64, DType::F64, None, true).is_none());
+    assert!(cuda_flash_launches(0, 16, 64, DType::F32, None, true).is_none());
+    assert!(cuda_flash_launches(2, 0, 64, DType::F32, None, true).is_none());
 }
 
 /// `nn::scaled_dot_product_attention` on CUDA (the flash kernels) against its CPU path (runs
@@ -362,6 +442,13 @@ fn flash_plan_covers_every_row_and_falls_back() {
 /// Transformer Engine's rtol for half types ([`common::te_rtol`]) and 1e-5 for f32 (TE's
 /// 1.3e-6 is one rounding; a reordered sum of t products is several). Against an f64
 /// reference on these inputs the CPU path stays under a fifth of that bound in every type.
+///
+/// On compute capability 8.0+ the f16 and bf16 cases run the tensor-core kernels, which round
+/// P and dS to the half type before their products. The bound is kept: the CPU path rounds
+/// its probabilities to the half type too, the two roundings are independent (their
+/// difference is at most the sum of two errors each under a fifth of the bound), and a wrong
+/// fragment layout gives errors of the size of the values themselves. The worst share of the
+/// bound is printed per tensor (`--nocapture`) so that a GPU run shows the margin.
 #[test]
 fn cuda_attention_matches_the_cpu_path() {
     let dev = common::device();
@@ -371,6 +458,18 @@ fn cuda_attention_matches_the_cpu_path() {
     assert!(
         candle_amp::testing::cuda_flash_loaded(&dev),
         "the CUDA attention kernels did not load (see the log's warning)"
+    );
+    // On compute capability 8.0+ the f16 and bf16 cases must run the tensor-core kernels (a
+    // module that failed to load would fall back to the FMA kernels and test those instead).
+    let tc = candle_amp::testing::cuda_flash_tensor_cores(&dev);
+    assert_ne!(
+        tc,
+        Some(false),
+        "the tensor-core attention kernels did not load (see the log's warning)"
+    );
+    println!(
+        "tensor-core attention kernels: {}",
+        if tc.is_some() { "used" } else { "not on this GPU" }
     );
     let cpu = candle_core::Device::Cpu;
     for (shape, causal, scale) in [
@@ -424,12 +523,19 @@ fn cuda_attention_matches_the_cpu_path() {
             let rtol = if dt == DType::F32 { 1e-5 } else { common::te_rtol(dt) };
             for (name, (a, b)) in ["O", "dQ", "dK", "dV"].iter().zip(c.iter().zip(&g)) {
                 let amax = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let mut worst = 0f32;
                 for (x, y) in a.iter().zip(b) {
+                    let bound = 2.0 * rtol * (x.abs() + amax);
                     assert!(
-                        (x - y).abs() <= 2.0 * rtol * (x.abs() + amax),
+                        (x - y).abs() <= bound,
                         "{shape:?} causal {causal} {dt:?} {name}: cuda {y} vs cpu {x}"
                     );
+                    worst = worst.max((x - y).abs() / bound.max(f32::MIN_POSITIVE));
                 }
+                println!(
+                    "{shape:?} causal {causal} {dt:?} {name}: worst error / bound {:.0}%",
+                    100.0 * worst
+                );
             }
         }
         // Under autocast (O1): f32 inputs, the products in bf16 as `ops::matmul` casts them,

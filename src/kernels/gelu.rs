@@ -22,9 +22,9 @@ const CHUNK: usize = 1 << 14;
 
 /// `exp(x)` in f32 without a branch, so loops over it vectorise: `2^n * p(r)` with
 /// `x = n ln2 + r`, `|r| <= ln2/2`, and `p` the degree-6 Taylor polynomial (relative error
-/// about 1e-7 over f32's range; 0 below -87, +inf above 88.7).
+/// about 1e-7 over f32's range; 0 below -87, +inf above 88.7). Also SiLU's (`kernels::gated`).
 #[inline(always)]
-fn exp_f32(x: f32) -> f32 {
+pub(super) fn exp_f32(x: f32) -> f32 {
     let x = x.clamp(-87.0, 88.7);
     // Round x/ln2 to an integer with the 1.5 * 2^23 trick (no branch, no libm call).
     let shift = 12_582_912.0f32;

@@ -14,7 +14,8 @@
 //! * [`matmul`] and [`linear`]: matrix products with f32 accumulation (bf16 on AMX tiles
 //!   where the CPU has them), as custom ops with their own backward; `linear` fuses the bias
 //!   and, in its backward, the bias gradient;
-//! * [`relu`] and [`gelu`]: activations with one-pass backwards (GELU in f32 arithmetic);
+//! * [`relu`], [`gelu`] and [`silu`]: activations with one-pass backwards (GELU and SiLU in
+//!   f32 arithmetic);
 //! * [`layer_norm`] and [`rms_norm`]: normalisation as one op, statistics and affine
 //!   transform in f32, weight and bias gradients fused (Apex's FusedLayerNorm);
 //! * [`adamw`]: the fused AdamW update of an f32 master, its moments and its half copy.
@@ -35,6 +36,7 @@ pub(crate) mod cuda;
 mod dispatch;
 pub(crate) mod elementwise;
 pub(crate) mod fingerprint;
+pub(crate) mod gated;
 mod gelu;
 mod gelu_table;
 mod gemm;
@@ -57,6 +59,7 @@ pub(crate) mod wgrad;
 use candle_core::Tensor;
 
 pub use cast::{cast, cast_into};
+pub use gated::silu;
 pub use gelu::gelu;
 pub use isa::Isa;
 pub use matmul::{linear, matmul};

@@ -1,6 +1,6 @@
 //! A pre-norm residual sub-layer, `x + dropout(body(layer_norm(x)))`, as one graph node:
 //! Transformer Engine's `LayerNormLinear` / `LayerNormMLP` with the residual add, for a body
-//! that is itself a fused node (self-attention, a chain of linear layers).
+//! that is itself a fused node (self-attention, a chain of linear layers, a gated MLP).
 //!
 //! Unfused, each sub-layer of a transformer block leaves four tensors of the residual
 //! stream's width in candle's graph besides its input (the norm's output, the body's
@@ -19,12 +19,14 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape
 
 use super::attention::Attention;
 use super::chain::Chain;
+use super::gated::Gated;
 use super::wgrad::{Dx, GradSink};
 
 /// The body between the norm and the dropout: a fused node built on the norm's output.
 pub(crate) enum Body {
     Attention(Box<Attention>),
     Chain(Chain),
+    Gated(Box<Gated>),
 }
 
 impl Body {
@@ -32,6 +34,7 @@ impl Body {
         match self {
             Body::Attention(a) => a.take_output(),
             Body::Chain(c) => c.take_output(),
+            Body::Gated(n) => n.take_output(),
         }
     }
 
@@ -39,6 +42,7 @@ impl Body {
         match self {
             Body::Attention(a) => a.trains(),
             Body::Chain(c) => c.trains(),
+            Body::Gated(n) => n.trains(),
         }
     }
 
@@ -48,6 +52,7 @@ impl Body {
         let g = match self {
             Body::Attention(a) => a.input_grad(h.dtype(), g)?,
             Body::Chain(c) => c.input_grad(out, g, Dx::Dense)?,
+            Body::Gated(n) => n.input_grad(h.dtype(), g)?,
         };
         // A chain computes in half from a cast of an f32 input (O1): the cast's backward.
         g.map(|g| super::cast(&g, h.dtype())).transpose()

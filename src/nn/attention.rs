@@ -122,3 +122,33 @@ pub fn scaled_dot_product_attention(
     };
     ops::matmul(&probs, v)
 }
+
+/// The value [`key_padding_mask`] adds to the scores of keys that are padding: the most
+/// negative f16, so the mask stays finite in every float type (a half `-inf` would make a
+/// fully padded row NaN, and `0 * -inf` is NaN). Added to f32 scores it gives those keys
+/// exactly 0 probability: their scores then sit far more than the 104 (f32) or 745 (f64)
+/// below the row's maximum past which `exp` underflows to 0.
+pub const MASKED: f32 = -65504.0;
+
+/// An additive key-padding mask for [`scaled_dot_product_attention`]: `(b, 1, 1, t)` in f32,
+/// 0 for the first `lengths[i]` keys of sequence `i` and [`MASKED`] for the rest (its
+/// padding), broadcasting over the heads and the queries of `(b, heads, t, t)` scores.
+/// The attention adds it to the scores in f32 under autocast and at every opt level, so a
+/// padded key gets exactly 0 probability and no NaN appears. Lengths past `t` count as `t`.
+///
+/// ```
+/// use candle_amp::nn::{MASKED, key_padding_mask};
+/// use candle_core::Device;
+/// # fn main() -> candle_core::Result<()> {
+/// let m = key_padding_mask(&[3, 1], 3, &Device::Cpu)?;
+/// assert_eq!(m.dims(), [2, 1, 1, 3]);
+/// assert_eq!(m.flatten_all()?.to_vec1::<f32>()?, [0.0, 0.0, 0.0, 0.0, MASKED, MASKED]);
+/// # Ok(()) }
+/// ```
+pub fn key_padding_mask(lengths: &[usize], t: usize, device: &Device) -> Result<Tensor> {
+    let v: Vec<f32> = lengths
+        .iter()
+        .flat_map(|&n| (0..t).map(move |j| if j < n { 0.0 } else { MASKED }))
+        .collect();
+    Tensor::from_vec(v, (lengths.len(), 1, 1, t), device)
+}

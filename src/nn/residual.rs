@@ -3,7 +3,7 @@
 use candle_core::{Result, Tensor};
 use candle_nn::{Module, ModuleT};
 
-use super::{Dropout, LayerNorm, Mlp, SelfAttention};
+use super::{Dropout, GatedMlp, LayerNorm, Mlp, SelfAttention};
 use crate::precision::{fused, ops};
 
 /// What a [`Residual`] sub-layer computes between its norm and its dropout.
@@ -13,6 +13,8 @@ pub enum ResidualBody {
     Attention(SelfAttention),
     /// A chain of linear layers (the feed-forward sub-layer).
     Mlp(Mlp),
+    /// A gated MLP (SwiGLU, GeGLU: the feed-forward sub-layer of Llama-style models).
+    Gated(GatedMlp),
 }
 
 impl From<SelfAttention> for ResidualBody {
@@ -27,11 +29,18 @@ impl From<Mlp> for ResidualBody {
     }
 }
 
+impl From<GatedMlp> for ResidualBody {
+    fn from(m: GatedMlp) -> Self {
+        ResidualBody::Gated(m)
+    }
+}
+
 impl Module for ResidualBody {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             ResidualBody::Attention(a) => a.forward(x),
             ResidualBody::Mlp(m) => m.forward(x),
+            ResidualBody::Gated(m) => m.forward(x),
         }
     }
 }
@@ -47,13 +56,14 @@ impl Module for ResidualBody {
 /// the CPU) and the input takes one gradient instead of two. The output and every gradient
 /// but the norm's parameters' are the same, bit for bit, as running [`LayerNorm`], the
 /// body, [`Dropout`] and [`ops::add`] one after the other (the input's two gradients are
-/// summed in f32 and rounded once, as candle's add of the two rounds); the norm's weight and
+/// summed in f32 and rounded once, as candle's add of the two rounds; a [`GatedMlp`] body's
+/// own input gradient is its fused node's, see there); the norm's weight and
 /// bias gradients go to the run in f32, as a fused [`Linear`](super::Linear)'s do, where the
 /// unfused norm rounds them to the parameter's type first. The dropout mask is drawn as
 /// [`Dropout`] draws it, so a run reproduces either way. Elsewhere the unfused layers run:
 /// outside a run, at O0, off the CPU, while the numerics doctor records or a layer is kept
 /// in f32, for an RMS norm, and where the body's own fused node does not apply (an
-/// [`Mlp`] whose last layer has GELU, under autocast at O1).
+/// [`Mlp`] whose last layer has GELU, a [`GatedMlp`] with GELU, under autocast at O1).
 ///
 /// ```
 /// use candle_amp::nn::{Dropout, Linear, Mlp, Residual, layer_norm};
@@ -143,6 +153,10 @@ impl Residual {
                 let spec = m.chain_spec();
                 fused::residual(x, norm, fused::BodySpec::Chain(&spec), mask)
             }
+            ResidualBody::Gated(m) => match m.fused_spec() {
+                Some((proj, act)) => fused::residual(x, norm, fused::BodySpec::Gated { proj, act }, mask),
+                None => Ok(None),
+            },
         }
     }
 }

@@ -1,7 +1,8 @@
 //! The library's fused layers as ops of a run (`nn::Linear`, `nn::Mlp`,
-//! `nn::SelfAttention`): where their parameters belong to the run whose context is open on
-//! this thread and the products run in half, each is one node whose parameter gradients go
-//! to the run's stash in f32 (`kernels::wgrad`, `kernels::chain`, `kernels::attention`);
+//! `nn::SelfAttention`, `nn::GatedMlp`, `nn::Residual`): where their parameters belong to
+//! the run whose context is open on this thread and the products run in half, each is one
+//! node whose parameter gradients go to the run's stash in f32 (`kernels::wgrad`,
+//! `kernels::chain`, `kernels::attention`, `kernels::gated`, `kernels::residual`);
 //! elsewhere the plain ops of [`super::ops`].
 
 use candle_core::{DType, Result, Tensor};
@@ -256,6 +257,11 @@ pub(crate) enum BodySpec<'a> {
     },
     /// Linear layers, each with its activation.
     Chain(&'a [(&'a Tensor, Option<&'a Tensor>, Option<Act>)]),
+    /// A gated MLP with the projections `[gate, up, down]` (weight, bias).
+    Gated {
+        proj: [(&'a Tensor, Option<&'a Tensor>); 3],
+        act: kernels::gated::GateAct,
+    },
 }
 
 /// `x + dropout(body(layer_norm(x)))` as one node of the run
@@ -329,5 +335,69 @@ pub(crate) fn residual(
             };
             kernels::residual::residual(x, &xn[0], spec, build, mask, stash)
         }
+        BodySpec::Gated { proj, act } => {
+            let proj = proj.map(|(w, b)| (w, b, None));
+            let Some(prepared) = prepared_layers(&stash, &proj)? else {
+                return Ok(None);
+            };
+            let layers = chain_layers(&prepared);
+            let build = |h: &Tensor| {
+                let (hs, _) = prepare("linear", &[h])?;
+                if !is_half(&hs[0]) || !gated_in_half(hs[0].dtype(), act) {
+                    return Ok(None);
+                }
+                let input = if hs[0].dtype() == h.dtype() { &hs[0] } else { h };
+                let layers = [&layers[0], &layers[1], &layers[2]];
+                let node = kernels::gated::build(input, layers, act, sink.clone(), true)?;
+                Ok(node.map(|n| kernels::residual::Body::Gated(Box::new(n))))
+            };
+            kernels::residual::residual(x, &xn[0], spec, build, mask, stash)
+        }
     }
+}
+
+/// A gated MLP `down(act(gate(x)) * up(x))` (`nn::GatedMlp`) with the projections
+/// `[gate, up, down]` (weight, bias) as one node of the run
+/// ([`kernels::gated`](crate::kernels::gated)), or `None` where that does not apply and the
+/// caller runs the unfused ops: under the same conditions as [`linear_chain`], and where the
+/// thread's policy would not run the activation and the product in the products' half type
+/// (GELU under autocast, which runs it in f32).
+pub(crate) fn gated_mlp(
+    x: &Tensor,
+    proj: [(&Tensor, Option<&Tensor>); 3],
+    act: kernels::gated::GateAct,
+) -> Result<Option<Tensor>> {
+    if autocast::hooked_context().is_some() {
+        return Ok(None);
+    }
+    let Some(stash) = autocast::run_stash() else {
+        return Ok(None);
+    };
+    let (xs, _) = prepare("linear", &[x])?;
+    if !is_half(&xs[0]) {
+        return Ok(None);
+    }
+    if !gated_in_half(xs[0].dtype(), act) {
+        return Ok(None);
+    }
+    let proj = proj.map(|(w, b)| (w, b, None));
+    let Some(prepared) = prepared_layers(&stash, &proj)? else {
+        return Ok(None);
+    };
+    let layers = chain_layers(&prepared);
+    // At O1 the node takes the f32 input itself and casts it once inside, as attention does.
+    let input = if xs[0].dtype() == x.dtype() { &xs[0] } else { x };
+    kernels::gated::gated_mlp(input, [&layers[0], &layers[1], &layers[2]], act, stash)
+}
+
+/// Whether the thread's policy runs a gated MLP's activation and product in `dt`, the type
+/// of its products (GELU under autocast runs in f32: not so).
+fn gated_in_half(dt: DType, act: kernels::gated::GateAct) -> bool {
+    let act_op = match act {
+        kernels::gated::GateAct::Silu => "silu",
+        kernels::gated::GateAct::Gelu => "gelu",
+        kernels::gated::GateAct::Relu => "relu",
+    };
+    let keeps = |op: &str, n: usize| super::ops::prepared_type(op, &vec![dt; n]) == Some(dt);
+    keeps(act_op, 1) && keeps("mul", 2)
 }

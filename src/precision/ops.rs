@@ -4,8 +4,9 @@
 //! [`CastPolicy`] says (Apex's lists, [`crate::autocast::CAST_LISTS`]);
 //! integer and f64 tensors are never cast; ops on no list run in their input's type.
 //! Without a policy they behave like the candle op, except that reductions, normalisation
-//! and softmax always accumulate in f32 (and return their input's type) and losses always
-//! return f32.
+//! and softmax always accumulate in f32 (and return their input's type), losses always
+//! return f32, and the binary ops, comparisons and joins promote operands of two float types
+//! to f32 (PyTorch's type promotion; candle would refuse them).
 //!
 //! Raw tensor methods (`a.matmul(&b)`, `+`, `exp()`) cannot be intercepted: a model moves to
 //! O1 by writing its maths with these functions and its layers with [`crate::nn`].
@@ -115,24 +116,42 @@ fn pointwise_op(op: &str, x: &Tensor, f: impl FnOnce(&Tensor) -> Result<Tensor>)
 
 fn promote2(op: &str, a: &Tensor, b: &Tensor, f: impl FnOnce(&Tensor, &Tensor) -> Result<Tensor>) -> Result<Tensor> {
     let (xs, _) = prepare(op, &[a, b])?;
-    rec(op, f(&xs[0], &xs[1]))
+    // PyTorch's type promotion, with or without a policy: two float types compute in f32
+    // (f16 with bf16 too), so an f32 table times a half activation keeps its precision.
+    let (x, y) = (&xs[0], &xs[1]);
+    if x.dtype() != y.dtype() && eligible(x.dtype()) && eligible(y.dtype()) {
+        let (x, y) = (kernels::cast(x, DType::F32)?, kernels::cast(y, DType::F32)?);
+        return rec(op, f(&x, &y));
+    }
+    rec(op, f(x, y))
+}
+
+/// `xs` in f32 where they are of several float types (see `promote2`); as they are otherwise.
+fn promoted(xs: Vec<Tensor>) -> Result<Vec<Tensor>> {
+    let mixed = xs.windows(2).any(|w| w[0].dtype() != w[1].dtype());
+    if mixed && xs.iter().all(|t| eligible(t.dtype())) {
+        return xs.iter().map(|t| kernels::cast(t, DType::F32)).collect();
+    }
+    Ok(xs)
 }
 
 /// The one type [`prepare`] would give operands of types `dts` for `op`, without casting
 /// them (for kernels that cast as they read, `kernels::cuda::rows`): `None` where it would
-/// leave them in different types, cast them to half (the Half list, which notes its use) or
-/// refuse them, or where one is not f32, f16 or bf16.
+/// cast them to half (the Half list, which notes its use) or refuse them, or where one is not
+/// f32, f16 or bf16. Mixed float types give f32, as `promote2` computes them.
 pub(super) fn prepared_type(op: &str, dts: &[DType]) -> Option<DType> {
     let first = *dts.first()?;
     if !dts.iter().all(|d| eligible(*d)) {
         return None;
     }
     let same = dts.iter().all(|d| *d == first).then_some(first);
+    // Mixed float types promote to f32 (see `promote2`).
+    let promoted = Some(same.unwrap_or(DType::F32));
     let Some((ctx, force_f32)) = autocast::active_forced() else {
-        return same;
+        return promoted;
     };
     match ctx.policy(op) {
-        None => same,
+        None => promoted,
         // A layer kept in f32 computes Half and Promote ops in f32 too (see `prepare`).
         Some(CastPolicy::Float) => Some(DType::F32),
         Some(CastPolicy::Half | CastPolicy::Promote) if force_f32 => Some(DType::F32),
@@ -351,6 +370,16 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
         return r;
     }
     pointwise_op("gelu", x, kernels::gelu)
+}
+
+/// SiLU (swish) `x * sigmoid(x)`, in its input's type: on no cast list, as in PyTorch's
+/// autocast (a policy registered for `"silu"` applies). One op with a one-pass backward
+/// ([`kernels::silu`]).
+pub fn silu(x: &Tensor) -> Result<Tensor> {
+    if let Some(r) = empty::on_host(&[x], |x| silu(&x[0])) {
+        return r;
+    }
+    pointwise_op("silu", x, kernels::silu)
 }
 
 /// Sum over `dim`, kept; accumulated in f32.
@@ -733,6 +762,7 @@ pub fn cat(xs: &[&Tensor], dim: usize) -> Result<Tensor> {
         return r;
     }
     let (xs, _) = prepare("cat", xs)?;
+    let xs = promoted(xs)?;
     rec("cat", Tensor::cat(&xs, dim))
 }
 
@@ -745,5 +775,6 @@ pub fn stack(xs: &[&Tensor], dim: usize) -> Result<Tensor> {
         return r;
     }
     let (xs, _) = prepare("stack", xs)?;
+    let xs = promoted(xs)?;
     rec("stack", Tensor::stack(&xs, dim))
 }

@@ -491,7 +491,8 @@ fn unused_warning(unused: &[String]) -> String {
     let w = format!(
         "{} trained parameter(s) received no gradient in the first backward and will not change: {}. \
          Check that the loss depends on them through ops with a backward (candle_nn's fused layer_norm, \
-         rms_norm and softmax_last_dim have none: use candle_amp::nn / candle_amp::ops), or freeze them",
+         rms_norm and softmax_last_dim have none: use candle_amp::nn / candle_amp::ops), or freeze them; \
+         docs/porting.md lists the traps of ported models",
         unused.len(),
         unused.join(", ")
     );

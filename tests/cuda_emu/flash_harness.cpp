@@ -1,14 +1,20 @@
-// Runs src/kernels/cuda/flash.cu's kernels on the CPU grid emulator, for tests/cuda_flash.rs:
+// Runs src/kernels/cuda/flash.cu's and flash_mma.cu's kernels on the CPU grid emulator (the
+// tensor-core instruction from mma.h), for tests/cuda_flash.rs:
 // inputs and outputs as raw little-endian files (f32, or the 16-bit patterns of f16/bf16; LSE
 // and Delta f32), kernels, grids and blocks as the library's launch plan gives them.
 //
 //   flash_harness fwd FWD GRID BLOCK BH T SCALE CAUSAL Q K V O LSE
 //   flash_harness bwd PRE GRID BLOCK DKV GRID BLOCK DQ GRID BLOCK BH T SCALE CAUSAL Q K V O DO LSE DQKV
 //
+// With AMP_EMU_MISALIGN=1 in the environment the inputs sit 2 bytes past a 16-byte boundary,
+// as a view at an odd offset would (flash_mma.cu then loads its tiles 16 bits at a time).
+//
 // The backward runs the three kernels in order, as the library does: Delta, then dK and dV,
 // then dQ, into one buffer of dq, dk, dv one after the other.
 #include "emu.h"
+#include "mma.h"
 #include "flash.cu"
+#include "flash_mma.cu"
 
 #include "harness.h"
 
@@ -22,12 +28,19 @@ typedef void (*BwdFn)(AMP_FLASH_BWD_ARGS);
 #define FWDS(D, c, BR, BC, TPR, _) AMP_FLASH_TYPES(FWD, D, c, BR, BC, TPR)
 #define DKVS(D, c, BR, BC, TPR, _) AMP_FLASH_TYPES(DKV, D, c, BR, BC, TPR)
 #define DQS(D, c, BR, BC, TPR, _) AMP_FLASH_TYPES(DQ, D, c, BR, BC, TPR)
+// The tensor-core kernels (names ending in "m"), in the same tables.
+#define MFWD(T, nt, D, FR, FC, KR, KC, QR, QC) {"amp_flash_fwd_" #nt "_d" #D "m", amp_flash_fwd_##nt##_d##D##m},
+#define MDKV(T, nt, D, FR, FC, KR, KC, QR, QC) {"amp_flash_bwd_dkv_" #nt "_d" #D "m", amp_flash_bwd_dkv_##nt##_d##D##m},
+#define MDQ(T, nt, D, FR, FC, KR, KC, QR, QC) {"amp_flash_bwd_dq_" #nt "_d" #D "m", amp_flash_bwd_dq_##nt##_d##D##m},
+#define MFWDS(D, FR, FC, KR, KC, QR, QC, _) AMP_FLASH_MMA_TYPES(MFWD, D, FR, FC, KR, KC, QR, QC)
+#define MDKVS(D, FR, FC, KR, KC, QR, QC, _) AMP_FLASH_MMA_TYPES(MDKV, D, FR, FC, KR, KC, QR, QC)
+#define MDQS(D, FR, FC, KR, KC, QR, QC, _) AMP_FLASH_MMA_TYPES(MDQ, D, FR, FC, KR, KC, QR, QC)
 #define PRE(T, nt, D) {"amp_flash_bwd_pre_" #nt "_d" #D, amp_flash_bwd_pre_##nt##_d##D},
 #define PRES(D, _) AMP_FLASH_TYPES(PRE, D)
 
-static const std::map<std::string, FwdFn> kFwd = {AMP_FLASH_CONFIGS(FWDS, _)};
-static const std::map<std::string, BwdFn> kDkv = {AMP_FLASH_CONFIGS(DKVS, _)};
-static const std::map<std::string, BwdFn> kDq = {AMP_FLASH_CONFIGS(DQS, _)};
+static const std::map<std::string, FwdFn> kFwd = {AMP_FLASH_CONFIGS(FWDS, _) AMP_FLASH_MMA_CONFIGS(MFWDS, _)};
+static const std::map<std::string, BwdFn> kDkv = {AMP_FLASH_CONFIGS(DKVS, _) AMP_FLASH_MMA_CONFIGS(MDKVS, _)};
+static const std::map<std::string, BwdFn> kDq = {AMP_FLASH_CONFIGS(DQS, _) AMP_FLASH_MMA_CONFIGS(MDQS, _)};
 static const std::map<std::string, PreFn> kPre = {AMP_FLASH_HEAD_DIMS(PRES, _)};
 
 template <typename F> static F find(const std::map<std::string, F>& m, const char* name) {
@@ -37,6 +50,18 @@ template <typename F> static F find(const std::map<std::string, F>& m, const cha
         std::exit(2);
     }
     return it->second;
+}
+
+// Where the kernels read `v` from: its own buffer, or a copy 2 bytes past an aligned start
+// (kept alive in `keep`) under AMP_EMU_MISALIGN=1.
+static const char* place(const std::vector<char>& v, std::vector<std::vector<char>>& keep) {
+    const char* env = std::getenv("AMP_EMU_MISALIGN");
+    if (env == nullptr || std::string(env) != "1") return v.data();
+    keep.emplace_back(v.size() + 16);
+    char* p = keep.back().data();
+    p += (16 - (reinterpret_cast<uintptr_t>(p) & 15)) % 16 + 2;
+    std::memcpy(p, v.data(), v.size());
+    return p;
 }
 
 static dim3 dim(const char* s) { return dim3{(unsigned)std::atol(s), 1, 1}; }
@@ -54,7 +79,10 @@ int main(int argc, char** argv) {
         // Filled with a pattern, so a value the kernel fails to write shows as a wrong value.
         std::vector<char> o(q.size(), (char)0x7f), lse((size_t)bh * t * 4, (char)0x7f);
         float* lp = (float*)lse.data();
-        emu::launch(grid, block, [&] { f(q.data(), k.data(), v.data(), o.data(), lp, bh, t, scale, causal); });
+        std::vector<std::vector<char>> keep;
+        keep.reserve(3);
+        const char *qp = place(q, keep), *kp = place(k, keep), *vp = place(v, keep);
+        emu::launch(grid, block, [&] { f(qp, kp, vp, o.data(), lp, bh, t, scale, causal); });
         write_file(argv[12], o);
         write_file(argv[13], lse);
         return 0;
@@ -70,12 +98,16 @@ int main(int argc, char** argv) {
         std::vector<float> delta((size_t)bh * t, 12345.0f);
         std::vector<char> dqkv(3 * q.size(), (char)0x7f);
         const float* lp = (const float*)lse.data();
-        emu::launch(dim(argv[3]), dim(argv[4]), [&] { pre(o.data(), dout.data(), delta.data(), bh * t); });
+        std::vector<std::vector<char>> keep;
+        keep.reserve(5);
+        const char *qp = place(q, keep), *kp = place(k, keep), *vp = place(v, keep);
+        const char *op = place(o, keep), *dp = place(dout, keep);
+        emu::launch(dim(argv[3]), dim(argv[4]), [&] { pre(op, dp, delta.data(), bh * t); });
         emu::launch(dim(argv[6]), dim(argv[7]), [&] {
-            dkv(q.data(), k.data(), v.data(), dout.data(), lp, delta.data(), dqkv.data(), bh, t, scale, causal);
+            dkv(qp, kp, vp, dp, lp, delta.data(), dqkv.data(), bh, t, scale, causal);
         });
         emu::launch(dim(argv[9]), dim(argv[10]), [&] {
-            dq(q.data(), k.data(), v.data(), dout.data(), lp, delta.data(), dqkv.data(), bh, t, scale, causal);
+            dq(qp, kp, vp, dp, lp, delta.data(), dqkv.data(), bh, t, scale, causal);
         });
         write_file(argv[21], dqkv);
         return 0;

@@ -27,8 +27,9 @@
 // query rows j + TPR * k of each query tile. Shared tiles have rows of D + 1 floats so that the
 // lanes' reads of distinct rows fall in distinct banks. Products are explicit fmaf (NVRTC runs
 // with --fmad=false so that the memory-bound kernels round as the CPU's; here the product's
-// rounding is the point). No tensor cores: the emulator cannot run mma, and this scalar path is
-// the reference a faster one would be checked against.
+// rounding is the point). This FMA path serves f32 inputs and GPUs before sm_80; for f16 and
+// bf16 on sm_80 and newer the plan takes flash_mma.cu's tensor-core kernels (which round P
+// and dS to the half type before their products) and only this file's Delta kernel.
 //
 // Configurations (AMP_FLASH_CONFIGS): per head dimension a large tile (D = 64: 32 x 32, D =
 // 128: 16 x 16, 128 threads; static shared memory under 48 KiB in every pass) and a small one

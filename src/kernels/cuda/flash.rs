@@ -14,10 +14,15 @@
 //! `b * h * t * t` tensors, kept for the backward): at GPT-2's t = 1024 and 12 heads each is
 //! 48 MiB in f32 per sequence and layer; here memory is linear in `t`.
 //!
-//! The products are scalar `fmaf` loops over shared-memory tiles (no tensor cores: the CPU
-//! emulator the tests run cannot execute `mma`, and this path is the reference a tensor-core
-//! one would be checked against). Head dimensions 64 (GPT-2) and 128 (Llama) have kernels;
-//! [`flash_plan`] returns `None` for others and the caller keeps the composed ops.
+//! Two sets of kernels. `flash.cu`: scalar `fmaf` loops over f32 shared-memory tiles, for every
+//! type and GPU. `flash_mma.cu`: the same passes with every product on tensor cores
+//! (`mma.sync.m16n8k16`, half inputs, f32 accumulators), for f16 and bf16 on compute
+//! capability 8.0 and newer, which the plan takes there. The tensor-core kernels round the
+//! probabilities P and dS to the inputs' half type before they enter a product (as
+//! FlashAttention-2 does; the FMA kernels keep them in f32), so their results differ from the
+//! FMA kernels' by about one half rounding of those terms. Head dimensions 64 (GPT-2) and 128
+//! (Llama) have kernels; [`flash_plan`] returns `None` for others and the caller keeps the
+//! composed ops.
 //!
 //! Built and loaded as the softmax kernels are (see [`super::softmax`]): NVRTC at run time,
 //! `get_or_load_custom_func` into candle's context, one warning per device and the composed
@@ -29,6 +34,9 @@ use candle_core::DType;
 /// The CUDA C source of the kernels.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) const SOURCE: &str = include_str!("flash.cu");
+/// The CUDA C source of the tensor-core kernels (no kernel below compute capability 8.0).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) const SOURCE_MMA: &str = include_str!("flash_mma.cu");
 
 /// Which tiles: `flash.cu`'s `AMP_FLASH_CONFIGS`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,6 +45,8 @@ pub enum Tiles {
     Large,
     /// 8 x 8 tiles, one warp per block: more blocks for a grid the large tile leaves too small.
     Small,
+    /// `flash_mma.cu`'s tensor-core kernels (f16 and bf16 only; compute capability 8.0+).
+    Mma,
 }
 
 /// `(query rows, key rows, threads per row)` of a head dimension's tiles, as `flash.cu`'s
@@ -46,6 +56,9 @@ fn tiles(d: usize, which: Tiles) -> Option<(usize, usize, usize)> {
         (64, Tiles::Large) => (32, 32, 4),
         (128, Tiles::Large) => (16, 16, 8),
         (64 | 128, Tiles::Small) => (8, 8, 4),
+        // flash_mma.cu: 64 rows per block (16 per warp, two threads per row) in each pass;
+        // the tiles a pass loops over differ per head dimension, but the grids do not.
+        (64 | 128, Tiles::Mma) => (64, 64, 2),
         _ => return None,
     })
 }
@@ -78,12 +91,24 @@ pub struct FlashPlan {
     pub dkv: FlashLaunch,
     /// `amp_flash_bwd_dq_{t}_d{d}{c}`: dQ.
     pub dq: FlashLaunch,
+    /// Whether the forward, dK/dV and dQ kernels are `flash_mma.cu`'s (tensor cores; `c` is
+    /// `m`) rather than `flash.cu`'s; the `Delta` kernel is always `flash.cu`'s.
+    pub tensor_cores: bool,
 }
 
 /// The plan, or `None` where no kernel applies (another type or head dimension, an empty
-/// tensor, sizes past the kernels' 32-bit arguments). `which` forces a tile (the tests);
-/// `None` takes the large one unless its grid would be small.
-pub fn flash_plan(bh: usize, t: usize, d: usize, dt: DType, which: Option<Tiles>) -> Option<FlashPlan> {
+/// tensor, sizes past the kernels' 32-bit arguments, [`Tiles::Mma`] for f32). `which` forces
+/// a tile (the tests); `None` takes the tensor-core kernels for f16 and bf16 where
+/// `tensor_cores` (the device has compute capability 8.0 or more and their module loaded),
+/// otherwise the large tile unless its grid would be small.
+pub fn flash_plan(
+    bh: usize,
+    t: usize,
+    d: usize,
+    dt: DType,
+    which: Option<Tiles>,
+    tensor_cores: bool,
+) -> Option<FlashPlan> {
     let ty = match dt {
         DType::F32 => "f32",
         DType::F16 => "f16",
@@ -97,15 +122,22 @@ pub fn flash_plan(bh: usize, t: usize, d: usize, dt: DType, which: Option<Tiles>
         return None;
     }
     let (large_rows, _, _) = tiles(d, Tiles::Large)?;
-    let which = which.unwrap_or(if bh.saturating_mul(t.div_ceil(large_rows)) >= MIN_LARGE_BLOCKS {
+    let half = matches!(dt, DType::F16 | DType::BF16);
+    let which = which.unwrap_or(if tensor_cores && half {
+        Tiles::Mma
+    } else if bh.saturating_mul(t.div_ceil(large_rows)) >= MIN_LARGE_BLOCKS {
         Tiles::Large
     } else {
         Tiles::Small
     });
+    if which == Tiles::Mma && !half {
+        return None;
+    }
     let (br, bc, tpr) = tiles(d, which)?;
     let c = match which {
         Tiles::Large => "l",
         Tiles::Small => "s",
+        Tiles::Mma => "m",
     };
     let launch = |kernel: String, grid: usize, block: usize| -> Option<FlashLaunch> {
         Some(FlashLaunch {
@@ -123,11 +155,12 @@ pub fn flash_plan(bh: usize, t: usize, d: usize, dt: DType, which: Option<Tiles>
         )?,
         dkv: launch(format!("amp_flash_bwd_dkv_{ty}_d{d}{c}"), bh * t.div_ceil(bc), bc * tpr)?,
         dq: launch(format!("amp_flash_bwd_dq_{ty}_d{d}{c}"), bh * t.div_ceil(br), br * tpr)?,
+        tensor_cores: which == Tiles::Mma,
     })
 }
 
 #[cfg(feature = "cuda")]
-pub(crate) use device::{applies, attention, available};
+pub(crate) use device::{applies, attention, available, tensor_cores_loaded};
 
 /// Whether [`attention`] runs the kernels for `(q, k, v)`: never without the `cuda` feature.
 #[cfg(not(feature = "cuda"))]

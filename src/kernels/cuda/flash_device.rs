@@ -1,6 +1,8 @@
 //! The kernels of `flash.cu` on a candle CUDA device: compiled by NVRTC, loaded into candle's
 //! context, applied as a custom op on `(q, k, v)` that keeps the rows' f32 log-sum-exp for its
-//! backward, which runs the three backward kernels.
+//! backward, which runs the three backward kernels. On compute capability 8.0 and newer the
+//! f16 and bf16 kernels are `flash_mma.cu`'s (tensor cores), a module of their own: where it
+//! fails to load, the FMA kernels of `flash.cu` run instead.
 
 use std::sync::{Arc, Mutex};
 
@@ -10,7 +12,7 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, PushKernelArg};
 use candle_core::{CpuStorage, CudaStorage, CustomOp3, Device, Layout, Result, Shape, Storage, Tensor};
 
-use super::{FlashPlan, SOURCE, flash_plan};
+use super::{FlashPlan, SOURCE, SOURCE_MMA, flash_plan};
 use crate::kernels::cuda::buffers::{alloc, config, no_kernel, push_in, push_out, view, wrap};
 use crate::kernels::cuda::nvrtc::Kernels;
 
@@ -23,9 +25,36 @@ static KERNELS: Kernels = Kernels::new(
     "attention runs",
 );
 
+/// The tensor-core kernels of `flash_mma.cu` (compute capability 8.0 and newer only).
+static KERNELS_MMA: Kernels = Kernels::new(
+    "candle_amp_flash_mma",
+    SOURCE_MMA,
+    "amp_flash_fwd_bf16_d64m",
+    "tensor-core attention",
+    "attention runs on the FMA kernels instead of tensor cores, not",
+);
+
 /// Whether the kernels are loaded on `dev` (see [`Kernels::available`]).
 pub(crate) fn available(dev: &CudaDevice) -> bool {
     KERNELS.available(dev)
+}
+
+/// `None` where `dev` cannot run the tensor-core kernels (compute capability below 8.0, the
+/// `mma` shape they use), else whether their module loaded (compiling and loading it if not
+/// yet).
+pub(crate) fn tensor_cores_loaded(dev: &CudaDevice) -> Option<bool> {
+    let cc = dev.cuda_stream().context().compute_capability();
+    matches!(cc, Ok((major, _)) if major >= 8).then(|| KERNELS_MMA.available(dev))
+}
+
+/// Whether `dev` runs the tensor-core kernels for f16 and bf16.
+fn tensor_cores(dev: &CudaDevice) -> bool {
+    tensor_cores_loaded(dev) == Some(true)
+}
+
+/// The module holding the plan's forward, dK/dV and dQ kernels.
+fn module(plan: &FlashPlan) -> &'static Kernels {
+    if plan.tensor_cores { &KERNELS_MMA } else { &KERNELS }
 }
 
 /// `(bh, t, d)` of a `(..., t, d)` shape: the matrices, their rows and the head dimension.
@@ -53,7 +82,7 @@ fn plan_for(what: &str, ss: [&CudaStorage; 3], ls: [&Layout; 3]) -> Result<Flash
         );
     }
     let (bh, t, d) = dims(ls[0].shape());
-    flash_plan(bh, t, d, ss[0].dtype(), None).ok_or_else(|| no_kernel(what, ls[0]))
+    flash_plan(bh, t, d, ss[0].dtype(), None, tensor_cores(ss[0].device())).ok_or_else(|| no_kernel(what, ls[0]))
 }
 
 /// The rows' log-sum-exp of the scaled scores (f32, one per query row of every matrix).
@@ -98,8 +127,9 @@ impl CustomOp3 for Forward {
         let plan = plan_for(what, [s1, s2, s3], [l1, l2, l3])?;
         let (bh, t, d) = dims(l1.shape());
         let dev = s1.device().clone();
-        let ptx = KERNELS.ptx(&dev).map_err(candle_core::Error::Msg)?;
-        let func = dev.get_or_load_custom_func(&plan.forward.kernel, KERNELS.module, &ptx)?;
+        let kernels = module(&plan);
+        let ptx = kernels.ptx(&dev).map_err(candle_core::Error::Msg)?;
+        let func = dev.get_or_load_custom_func(&plan.forward.kernel, kernels.module, &ptx)?;
         let (q, k, v) = (view(s1, l1, what)?, view(s2, l2, what)?, view(s3, l3, what)?);
         let o = alloc(&dev, s1.dtype(), bh * t * d, what)?;
         // SAFETY: the forward writes the LSE of every row of every matrix.
@@ -214,8 +244,10 @@ impl CustomOp3 for Backward {
         let dev = s1.device().clone();
         let ptx = KERNELS.ptx(&dev).map_err(candle_core::Error::Msg)?;
         let pre_fn = dev.get_or_load_custom_func(&plan.pre.kernel, KERNELS.module, &ptx)?;
-        let dkv_fn = dev.get_or_load_custom_func(&plan.dkv.kernel, KERNELS.module, &ptx)?;
-        let dq_fn = dev.get_or_load_custom_func(&plan.dq.kernel, KERNELS.module, &ptx)?;
+        let kernels = module(&plan);
+        let ptx = kernels.ptx(&dev).map_err(candle_core::Error::Msg)?;
+        let dkv_fn = dev.get_or_load_custom_func(&plan.dkv.kernel, kernels.module, &ptx)?;
+        let dq_fn = dev.get_or_load_custom_func(&plan.dq.kernel, kernels.module, &ptx)?;
         let (q, k, v) = (view(s1, l1, what)?, view(s2, l2, what)?, view(s3, l3, what)?);
         let (o, dout) = (view(so, lo, what)?, view(sd, ld, what)?);
         let rows = bh * t;
@@ -265,7 +297,7 @@ pub(crate) fn applies(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
         return false;
     }
     let (bh, t, d) = dims(q.shape());
-    flash_plan(bh, t, d, q.dtype(), None).is_some() && available(dev)
+    flash_plan(bh, t, d, q.dtype(), None, false).is_some() && available(dev)
 }
 
 /// `softmax(q k^T * scale) v` (causal if asked) on a CUDA device: `Ok(None)` where the kernels

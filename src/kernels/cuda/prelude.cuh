@@ -6,6 +6,10 @@
 // src/kernels/cuda) include it.
 //
 // Not a .cu of its own: CI's nvcc/ptxas loop compiles it as part of each kernel file.
+//
+// Guarded: the emulator's flash harness compiles flash.cu and flash_mma.cu in one unit.
+#ifndef AMP_PRELUDE_CUH
+#define AMP_PRELUDE_CUH
 
 struct amp_f16 {
     unsigned short bits;
@@ -84,3 +88,5 @@ __device__ __forceinline__ float amp_block_sum(float v, float* red) {
     __syncthreads();
     return amp_warp_sum(lane < warps ? red[lane] : 0.0f);
 }
+
+#endif  // AMP_PRELUDE_CUH

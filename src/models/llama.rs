@@ -1,0 +1,485 @@
+//! Llama (Meta's LLaMA 1-3 and the models that share its layout), trainable at every opt
+//! level, configured and named as candle-transformers' `models::llama`.
+//!
+//! A [`Config`] (the fields of a Hugging Face `config.json` that shape the network, with the
+//! same serde names), [`Llama::load`] from a `VarBuilder` (fresh weights in a run, or a
+//! pretrained safetensors file: the parameter names are the checkpoint's), and
+//! [`Llama::forward`] from token ids to logits at every position, for training: causal
+//! attention, no KV cache. Built from [`crate::nn`] and [`crate::ops`], so every parameter
+//! gets a gradient (candle-nn's fused RMS norm has no backward), O1 autocasts it, and O2/O3
+//! run it in half. The rotary tables are computed from `rope_theta` (and the llama-3
+//! frequency scaling), never read from the `VarBuilder`: a fresh run does not make them
+//! trainable parameters.
+//!
+//! ```
+//! use candle_amp::{self as amp, models::llama};
+//! use candle_core::{Device, Tensor};
+//! # fn main() -> anyhow::Result<()> {
+//! let cfg = llama::Config {
+//!     hidden_size: 16,
+//!     intermediate_size: 32,
+//!     vocab_size: 10,
+//!     num_hidden_layers: 1,
+//!     num_attention_heads: 4,
+//!     num_key_value_heads: Some(2),
+//!     rms_norm_eps: 1e-5,
+//!     rope_theta: 10_000.0,
+//!     rope_scaling: None,
+//!     max_position_embeddings: 32,
+//!     tie_word_embeddings: true,
+//! };
+//! let (model, mut opt, amp) = amp::initialize(
+//!     |vb| llama::Llama::load(vb, &cfg),
+//!     amp::optim::AdamW::new(Default::default())?,
+//!     amp::OptLevel::O2,
+//! )?;
+//! let ids = Tensor::new(&[[1u32, 2, 3, 4, 5]], &Device::Cpu)?;
+//! let logits = model.forward(&ids.narrow(1, 0, 4)?)?;         // (batch, seq, vocab), f32
+//! assert_eq!(logits.dims(), [1, 4, 10]);
+//! let loss = amp::ops::cross_entropy(&logits, &ids.narrow(1, 1, 4)?)?;
+//! amp.scale_loss(&loss, &mut opt)?.backward()?;
+//! opt.step()?;
+//! assert!(amp.store().param("lm_head.weight").is_none());     // tied to the embeddings
+//! # Ok(()) }
+//! ```
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{D, DType, Device, Result, Tensor};
+use candle_nn::{Module, VarBuilder};
+
+use crate::nn::{self as ann, merge_heads, scaled_dot_product_attention, split_heads};
+use crate::ops;
+
+fn default_rope_theta() -> f32 {
+    10_000.0
+}
+
+/// `null` reads as `false` (candle-transformers' `LlamaConfig` reads the field as an option).
+fn null_as_false<'de, De: serde::Deserializer<'de>>(d: De) -> std::result::Result<bool, De::Error> {
+    Ok(<Option<bool> as serde::Deserialize>::deserialize(d)?.unwrap_or(false))
+}
+
+/// A Llama model's shape: the fields of a Hugging Face `config.json` (and of
+/// candle-transformers' `llama::LlamaConfig`) that training needs, with their names; other
+/// fields of the file are ignored. Read one with `serde_json::from_str`.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Config {
+    /// The model width.
+    pub hidden_size: usize,
+    /// The feed-forward's inner width (SwiGLU: gate and up projections).
+    pub intermediate_size: usize,
+    /// The vocabulary size.
+    pub vocab_size: usize,
+    /// The number of decoder blocks.
+    pub num_hidden_layers: usize,
+    /// The number of query heads; the head width is `hidden_size / num_attention_heads`.
+    pub num_attention_heads: usize,
+    /// The number of key/value heads (grouped-query attention); `None`: one per query head.
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    /// The RMS norms' epsilon.
+    pub rms_norm_eps: f64,
+    /// The rotary embedding's base (10000 when absent, as candle-transformers reads it).
+    #[serde(default = "default_rope_theta")]
+    pub rope_theta: f32,
+    /// The llama-3 frequency scaling, if any.
+    #[serde(default)]
+    pub rope_scaling: Option<RopeScaling>,
+    /// The longest sequence the rotary tables cover.
+    pub max_position_embeddings: usize,
+    /// Whether the output head shares the embedding table (then there is no `lm_head`).
+    #[serde(default, deserialize_with = "null_as_false")]
+    pub tie_word_embeddings: bool,
+}
+
+/// The `rope_scaling` entry of a `config.json`. `rope_type` `"llama3"` (Llama 3.1's
+/// frequency scaling, as candle-transformers computes it) and `"default"` (none) are
+/// supported; any other type is refused by [`Config::validate`] with
+/// [`ConfigError::UnsupportedRopeScaling`] rather than ignored.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct RopeScaling {
+    /// `"llama3"` or `"default"`.
+    #[serde(default = "default_rope_type")]
+    pub rope_type: String,
+    /// The older key for the type (`{"type": "linear", ...}`), read so that such a scaling
+    /// is refused rather than silently ignored.
+    #[serde(rename = "type", default, skip_serializing_if = "Option::is_none")]
+    pub legacy_type: Option<String>,
+    /// How much the low frequencies are divided by.
+    #[serde(default)]
+    pub factor: Option<f32>,
+    /// Wavelengths above `original_max_position_embeddings / low_freq_factor` are scaled.
+    #[serde(default)]
+    pub low_freq_factor: Option<f32>,
+    /// Wavelengths below `original_max_position_embeddings / high_freq_factor` are kept.
+    #[serde(default)]
+    pub high_freq_factor: Option<f32>,
+    /// The context the model was pretrained with.
+    #[serde(default)]
+    pub original_max_position_embeddings: Option<usize>,
+}
+
+fn default_rope_type() -> String {
+    "default".into()
+}
+
+/// A [`Config`] the model cannot be built from. [`Llama::load`] returns it inside
+/// `candle_core::Error::WrappedContext` (whose box downcasts to it); its `Debug` reads as its
+/// message, since candle prints that box with `{:?}`.
+#[derive(Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// A size that must be positive is 0.
+    #[error("llama config: {0} must be at least 1")]
+    Zero(&'static str),
+    /// The heads do not divide the width, or the key/value heads the query heads.
+    #[error(
+        "llama config: {heads} attention heads must divide hidden_size {hidden}, and {kv_heads} key/value heads \
+         must divide the attention heads"
+    )]
+    Heads {
+        /// `hidden_size`.
+        hidden: usize,
+        /// `num_attention_heads`.
+        heads: usize,
+        /// `num_key_value_heads`.
+        kv_heads: usize,
+    },
+    /// The head width is odd: rotary embeddings rotate pairs.
+    #[error("llama config: the head width {0} is odd; rotary embeddings need an even one")]
+    OddHeadDim(usize),
+    /// A `rope_scaling` type other than `llama3` and `default`.
+    #[error("llama config: rope_scaling type {0:?} is not supported (use \"llama3\" or \"default\")")]
+    UnsupportedRopeScaling(String),
+    /// A `llama3` scaling without one of its numbers, or with numbers it cannot use.
+    #[error("llama config: the llama3 rope_scaling {0}")]
+    BadRopeScaling(&'static str),
+}
+
+impl std::fmt::Debug for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
+}
+
+impl From<ConfigError> for candle_core::Error {
+    fn from(e: ConfigError) -> Self {
+        candle_core::Error::WrappedContext {
+            wrapped: Box::new(e),
+            context: "Llama::load".into(),
+        }
+    }
+}
+
+/// The llama-3 scaling's numbers: factor, low and high frequency factors, original context.
+type Llama3 = (f32, f32, f32, f32);
+
+impl Config {
+    /// The number of key/value heads (`num_attention_heads` when not given).
+    pub fn num_key_value_heads(&self) -> usize {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+
+    /// The width of one head.
+    pub fn head_dim(&self) -> usize {
+        self.hidden_size / self.num_attention_heads.max(1)
+    }
+
+    /// Checks the sizes and the rope scaling (what [`Llama::load`] checks first).
+    pub fn validate(&self) -> std::result::Result<(), ConfigError> {
+        for (name, v) in [
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("vocab_size", self.vocab_size),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads()),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ] {
+            if v == 0 {
+                return Err(ConfigError::Zero(name));
+            }
+        }
+        let (hidden, heads, kv_heads) = (self.hidden_size, self.num_attention_heads, self.num_key_value_heads());
+        if !hidden.is_multiple_of(heads) || !heads.is_multiple_of(kv_heads) {
+            return Err(ConfigError::Heads {
+                hidden,
+                heads,
+                kv_heads,
+            });
+        }
+        if !self.head_dim().is_multiple_of(2) {
+            return Err(ConfigError::OddHeadDim(self.head_dim()));
+        }
+        self.llama3().map(|_| ())
+    }
+
+    /// The llama-3 scaling's numbers, `None` without scaling.
+    fn llama3(&self) -> std::result::Result<Option<Llama3>, ConfigError> {
+        let Some(s) = &self.rope_scaling else {
+            return Ok(None);
+        };
+        let kind = match (s.rope_type.as_str(), &s.legacy_type) {
+            ("default", Some(t)) => t.as_str(),
+            (t, _) => t,
+        };
+        match kind {
+            "default" => return Ok(None),
+            "llama3" => {}
+            other => return Err(ConfigError::UnsupportedRopeScaling(other.into())),
+        }
+        let need = |v: Option<f32>, what| v.ok_or(ConfigError::BadRopeScaling(what));
+        let factor = need(s.factor, "needs factor")?;
+        let low = need(s.low_freq_factor, "needs low_freq_factor")?;
+        let high = need(s.high_freq_factor, "needs high_freq_factor")?;
+        let original = s
+            .original_max_position_embeddings
+            .ok_or(ConfigError::BadRopeScaling("needs original_max_position_embeddings"))?;
+        if !(factor > 0.0 && low > 0.0 && high > low && original > 0) {
+            return Err(ConfigError::BadRopeScaling(
+                "needs factor > 0, 0 < low_freq_factor < high_freq_factor and original_max_position_embeddings > 0",
+            ));
+        }
+        Ok(Some((factor, low, high, original as f32)))
+    }
+
+    /// The rotary inverse frequencies, one per pair, in f32 as candle-transformers computes
+    /// them (so the tables agree to the bit).
+    fn inv_freq(&self) -> std::result::Result<Vec<f32>, ConfigError> {
+        let hd = self.head_dim();
+        let base = (0..hd)
+            .step_by(2)
+            .map(|i| 1f32 / self.rope_theta.powf(i as f32 / hd as f32));
+        let Some((factor, low, high, original)) = self.llama3()? else {
+            return Ok(base.collect());
+        };
+        let (low_wavelen, high_wavelen) = (original / low, original / high);
+        Ok(base
+            .map(|freq| {
+                let wavelen = 2. * std::f32::consts::PI / freq;
+                if wavelen < high_wavelen {
+                    freq
+                } else if wavelen > low_wavelen {
+                    freq / factor
+                } else {
+                    let smooth = (original / wavelen - low) / (high - low);
+                    (1. - smooth) * freq / factor + smooth * freq
+                }
+            })
+            .collect())
+    }
+}
+
+/// The rotary tables `cos` and `sin`, `(positions, head_dim)` in f32 (each half repeated, the
+/// `rotate_half` layout), computed for the longest sequence seen so far and kept.
+#[derive(Debug, Clone)]
+struct Rope {
+    inv_freq: Vec<f32>,
+    max_positions: usize,
+    device: Device,
+    tables: Arc<Mutex<Option<(Tensor, Tensor)>>>,
+}
+
+impl Rope {
+    /// The tables for the first `t` positions.
+    fn tables(&self, t: usize) -> Result<(Tensor, Tensor)> {
+        if t > self.max_positions {
+            candle_core::bail!(
+                "llama: a sequence of {t} positions is longer than max_position_embeddings {}",
+                self.max_positions
+            )
+        }
+        let mut cached = self.tables.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((c, s)) = cached.as_ref()
+            && c.dim(0)? >= t
+        {
+            return Ok((c.narrow(0, 0, t)?, s.narrow(0, 0, t)?));
+        }
+        // Grown in powers of two, so that lengths that creep up rebuild them rarely.
+        let n = t.next_power_of_two().min(self.max_positions);
+        let half = self.inv_freq.len();
+        let (mut cos, mut sin) = (Vec::with_capacity(n * 2 * half), Vec::with_capacity(n * 2 * half));
+        for p in 0..n {
+            // The angle rounded to f32 once, as candle-transformers' (positions x freqs) product.
+            let angles: Vec<f32> = self.inv_freq.iter().map(|f| p as f32 * f).collect();
+            for _ in 0..2 {
+                cos.extend(angles.iter().map(|a| a.cos()));
+                sin.extend(angles.iter().map(|a| a.sin()));
+            }
+        }
+        let c = Tensor::from_vec(cos, (n, 2 * half), &self.device)?;
+        let s = Tensor::from_vec(sin, (n, 2 * half), &self.device)?;
+        let out = (c.narrow(0, 0, t)?, s.narrow(0, 0, t)?);
+        *cached = Some((c, s));
+        Ok(out)
+    }
+}
+
+/// `[-x2, x1]` for the halves `x1`, `x2` of the last dimension.
+fn rotate_half(x: &Tensor) -> Result<Tensor> {
+    let d = x.dim(D::Minus1)?;
+    let x1 = x.narrow(D::Minus1, 0, d / 2)?;
+    let x2 = x.narrow(D::Minus1, d / 2, d - d / 2)?;
+    Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)
+}
+
+/// `x cos + rotate_half(x) sin` over `x` `(b, heads, t, head_dim)`, computed in f32 (f64
+/// stays f64) and returned in `x`'s type: candle-nn's `rope` (the same rotation, the layout
+/// candle-transformers' llama uses) has no backward.
+fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let dt = x.dtype();
+    let wide = if dt == DType::F64 { DType::F64 } else { DType::F32 };
+    let xw = crate::kernels::cast(x, wide)?;
+    let (cos, sin) = (cos.to_dtype(wide)?, sin.to_dtype(wide)?);
+    let y = ops::add(&ops::mul(&xw, &cos)?, &ops::mul(&rotate_half(&xw)?, &sin)?)?;
+    crate::kernels::cast(&y, dt)
+}
+
+/// Each of `x`'s `(b, kv_heads, t, d)` heads repeated `n` times in place (head `j` of the
+/// result is head `j / n` of `x`), as candle-transformers' `repeat_kv`.
+fn repeat_kv(x: Tensor, n: usize) -> Result<Tensor> {
+    if n == 1 {
+        return Ok(x);
+    }
+    let (b, kv, t, d) = x.dims4()?;
+    Tensor::cat(&vec![&x; n], 2)?.reshape((b, kv * n, t, d))
+}
+
+/// Causal self-attention with rotary positions and grouped key/value heads.
+#[derive(Debug, Clone)]
+struct Attention {
+    q_proj: ann::Linear,
+    k_proj: ann::Linear,
+    v_proj: ann::Linear,
+    o_proj: ann::Linear,
+    heads: usize,
+    kv_heads: usize,
+}
+
+impl Attention {
+    fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
+        let (d, hd) = (cfg.hidden_size, cfg.head_dim());
+        let (q, kv) = (hd * cfg.num_attention_heads, hd * cfg.num_key_value_heads());
+        Ok(Self {
+            q_proj: ann::linear_no_bias(d, q, vb.pp("q_proj"))?,
+            k_proj: ann::linear_no_bias(d, kv, vb.pp("k_proj"))?,
+            v_proj: ann::linear_no_bias(d, kv, vb.pp("v_proj"))?,
+            o_proj: ann::linear_no_bias(q, d, vb.pp("o_proj"))?,
+            heads: cfg.num_attention_heads,
+            kv_heads: cfg.num_key_value_heads(),
+        })
+    }
+
+    fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let q = split_heads(&self.q_proj.forward(x)?, self.heads)?;
+        let k = split_heads(&self.k_proj.forward(x)?, self.kv_heads)?;
+        let v = split_heads(&self.v_proj.forward(x)?, self.kv_heads)?;
+        let q = apply_rope(&q, cos, sin)?;
+        let k = apply_rope(&k, cos, sin)?;
+        let n = self.heads / self.kv_heads;
+        let (k, v) = (repeat_kv(k, n)?, repeat_kv(v, n)?);
+        let y = scaled_dot_product_attention(&q, &k, &v, None, true, None)?;
+        self.o_proj.forward(&merge_heads(&y)?)
+    }
+}
+
+/// A pre-norm decoder block: `x + attn(norm(x))`, then `x + mlp(norm(x))`.
+#[derive(Debug, Clone)]
+struct Block {
+    input_layernorm: ann::RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: ann::RmsNorm,
+    /// The SwiGLU feed-forward `down(silu(gate(x)) * up(x))`, one fused module in half.
+    mlp: ann::GatedMlp,
+}
+
+impl Block {
+    fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
+        let (d, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        Ok(Self {
+            input_layernorm: ann::rms_norm(d, eps, vb.pp("input_layernorm"))?,
+            self_attn: Attention::load(vb.pp("self_attn"), cfg)?,
+            post_attention_layernorm: ann::rms_norm(d, eps, vb.pp("post_attention_layernorm"))?,
+            mlp: ann::gated_mlp(d, cfg.intermediate_size, ann::GateActivation::Silu, false, vb.pp("mlp"))?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let x = ops::add(x, &self.self_attn.forward(&self.input_layernorm.forward(x)?, cos, sin)?)?;
+        ops::add(&x, &self.mlp.forward(&self.post_attention_layernorm.forward(&x)?)?)
+    }
+}
+
+/// The Llama decoder: token embeddings, [`Config::num_hidden_layers`] pre-norm blocks of
+/// rotary causal self-attention and a SwiGLU feed-forward, a final RMS norm and the output
+/// head (the embedding table when tied). See the [module](self) for an example.
+#[derive(Debug, Clone)]
+pub struct Llama {
+    embed_tokens: ann::Embedding,
+    layers: Vec<Block>,
+    norm: ann::RmsNorm,
+    lm_head: ann::Linear,
+    rope: Rope,
+    config: Config,
+}
+
+impl Llama {
+    /// Builds the model under `vb` with candle-transformers' parameter names
+    /// (`model.embed_tokens`, `model.layers.{i}.self_attn.{q,k,v,o}_proj`,
+    /// `model.layers.{i}.mlp.{gate,up,down}_proj`, `model.layers.{i}.input_layernorm`,
+    /// `model.layers.{i}.post_attention_layernorm`, `model.norm`, and `lm_head` unless the
+    /// embeddings are tied) and candle-nn's initialisation. An invalid `cfg` is a
+    /// [`ConfigError`], wrapped.
+    pub fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
+        cfg.validate()?;
+        let inv_freq = cfg.inv_freq()?;
+        let m = vb.pp("model");
+        let embed_tokens = ann::embedding(cfg.vocab_size, cfg.hidden_size, m.pp("embed_tokens"))?;
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| Block::load(m.pp(format!("layers.{i}")), cfg))
+            .collect::<Result<Vec<_>>>()?;
+        let norm = ann::rms_norm(cfg.hidden_size, cfg.rms_norm_eps, m.pp("norm"))?;
+        let lm_head = if cfg.tie_word_embeddings {
+            ann::Linear::new(embed_tokens.embeddings().clone(), None).with_name("lm_head")
+        } else {
+            ann::linear_no_bias(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"))?
+        };
+        Ok(Self {
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rope: Rope {
+                inv_freq,
+                max_positions: cfg.max_position_embeddings,
+                device: vb.device().clone(),
+                tables: Arc::default(),
+            },
+            config: cfg.clone(),
+        })
+    }
+
+    /// The configuration the model was built with.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The logits `(batch, seq, vocab)` for token ids `(batch, seq)` (an integer type), every
+    /// position attending to itself and those before it. An error when `seq` exceeds
+    /// `max_position_embeddings`.
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        let (_, t) = ids.dims2()?;
+        let (cos, sin) = self.rope.tables(t)?;
+        let mut x = self.embed_tokens.forward(ids)?;
+        for layer in &self.layers {
+            x = layer.forward(&x, &cos, &sin)?;
+        }
+        self.lm_head.forward(&self.norm.forward(&x)?)
+    }
+}
+
+impl Module for Llama {
+    fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        Llama::forward(self, ids)
+    }
+}
