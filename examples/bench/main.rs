@@ -1,7 +1,7 @@
 //! Speed and memory of mixed precision on this machine, as ratios from one run.
 //!
 //! `cargo run --release --example bench -- [--json] [--threads N] [--steps N] [--quick]
-//! [--isa TIER] [--mallopt] [--kernels-only] [--torch [FILE]]`
+//! [--isa TIER] [--mallopt] [--kernels-only] [--torch [FILE]] [--no-archs] [--torch-models FILE]`
 //!
 //! `... --device cuda [--gpu-model gpt2|tiny] [--gpu-batch N] [--steps N] [--torch FILE]`
 //! runs the GPU bench instead (`gpu.rs`, built with `--features cuda`): O0 to O3 in f16 and
@@ -45,12 +45,21 @@
 //! why on stderr, sets `torch_error` and omits them. `--torch FILE` reads what the script
 //! printed instead.
 //!
+//! The library's Llama, BERT and ViT (`archs.rs`, on unless `--no-archs`; `--quick` runs
+//! tiny shapes): per level and half type `levels[L][H]` gains `llama_step_ms`,
+//! `bert_step_ms`, `vit_step_ms` and `llama_peak_mb`, `bert_peak_mb`, `vit_peak_mb`, with
+//! the details under `archs.{llama,bert,vit}` (`shape`, `levels.{O0..O3}.{f16,bf16}.{step_ms,
+//! peak_mb}`). `--torch-models FILE` reads what `benches/peers/torch_models.py` printed (same
+//! shapes and threads) and adds the ratios to PyTorch to the targets.
+//!
 //! Profiling aids (environment variables, each runs one thing and prints to stderr):
 //! `BENCH_MLP=LEVEL:HALF`, `BENCH_TRANSFORMER=[MODEL:]LEVEL:HALF` (one configuration's
 //! median step), `BENCH_PAIR=MODEL:LEVEL:HALF` (that configuration and O0 step by step in
 //! turn, `--steps` pairs, and the median per-pair ratio: steadier than two medians on a shared
 //! machine), `BENCH_OPS=1` (each element-wise op per type at the `--isa` tier),
-//! `BENCH_GEMM_ONLY`, `BENCH_DOCTOR_ONLY`, `BENCH_SAVERS_ONLY`.
+//! `BENCH_GEMM_ONLY`, `BENCH_DOCTOR_ONLY`, `BENCH_SAVERS_ONLY`, `BENCH_ARCHS_ONLY` (the three
+//! models alone, with their targets; the JSON too with `--json`), `BENCH_ARCH=MODEL:LEVEL:HALF`
+//! (one of them at one configuration, `--steps` timed steps).
 
 #[path = "../train/data.rs"]
 #[allow(dead_code)]
@@ -59,6 +68,7 @@ mod data;
 #[allow(dead_code)]
 mod models;
 
+mod archs;
 mod counting;
 mod doctor;
 mod gpu;
@@ -94,9 +104,13 @@ struct Args {
     gpu_batch: Option<usize>,
     /// Whether `--steps` was given (the GPU bench has its own default).
     steps_given: bool,
+    /// Measures Llama, BERT and ViT (`archs.rs`; off with `--no-archs`).
+    archs: bool,
+    /// `--torch-models FILE`: what `benches/peers/torch_models.py` printed.
+    torch_models: Option<String>,
 }
 
-const USAGE: &str = "usage: bench [--json] [--threads N] [--steps N] [--quick] [--isa TIER] [--mallopt] [--kernels-only] [--torch [FILE]] [--device cpu|cuda] [--gpu-model gpt2|tiny] [--gpu-batch N]";
+const USAGE: &str = "usage: bench [--json] [--threads N] [--steps N] [--quick] [--isa TIER] [--mallopt] [--kernels-only] [--torch [FILE]] [--no-archs] [--torch-models FILE] [--device cpu|cuda] [--gpu-model gpt2|tiny] [--gpu-batch N]";
 
 /// Parses the arguments (without the program name); `None` for `-h` / `--help`.
 fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Option<Args>> {
@@ -113,6 +127,8 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Option<Args>> {
         gpu_model: None,
         gpu_batch: None,
         steps_given: false,
+        archs: true,
+        torch_models: None,
     };
     let mut it = args.into_iter().peekable();
     while let Some(f) = it.next() {
@@ -122,6 +138,8 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Option<Args>> {
             "--quick" => a.quick = true,
             "--kernels-only" => a.kernels_only = true,
             "--mallopt" => a.mallopt = true,
+            "--no-archs" => a.archs = false,
+            "--torch-models" => a.torch_models = Some(it.next().context("--torch-models FILE")?),
             "--threads" => a.threads = it.next().context("--threads N")?.parse()?,
             "--steps" => {
                 a.steps = it.next().context("--steps N")?.parse()?;
@@ -212,8 +230,25 @@ fn main() -> Result<()> {
         },
         None => None,
     };
+    let torch_models = match &a.torch_models {
+        Some(path) => Some(archs::read_torch(path, a.threads, a.quick)?),
+        None => None,
+    };
     let mut out = machine::describe(mallopt);
     out["threads"] = json!(a.threads);
+    if let Ok(which) = std::env::var("BENCH_ARCH") {
+        return archs::profile(&which, a.quick, steps);
+    }
+    if std::env::var("BENCH_ARCHS_ONLY").is_ok() {
+        archs::measure_into(&mut out, a.quick, torch_models)?;
+        out["targets"] = json!(archs::targets(&out));
+        archs::print_table(&out);
+        report::print_targets(&out);
+        if a.json {
+            println!("{out}");
+        }
+        return Ok(());
+    }
     out["mlp_param_bytes"] = json!(measure::mlp_params(64, hidden) * 4);
     let data = digit_batches(batch, steps + 1)?;
     // Profiling aid: BENCH_MLP=O2:bf16 runs that MLP configuration alone.
@@ -310,6 +345,9 @@ fn main() -> Result<()> {
         levels.insert(level.to_string(), Value::Object(per_half));
     }
     out["levels"] = Value::Object(levels);
+    if a.archs {
+        archs::measure_into(&mut out, a.quick, torch_models)?;
+    }
     eprintln!("memory savers (8-block transformer, O2 f16) ...");
     let savers = memory_savers(a.quick, steps)?;
     for k in ["checkpoint_peak_ratio", "checkpoint_time_ratio", "chunk_peak_ratio"] {
@@ -346,6 +384,10 @@ mod tests {
         assert!(parse("--quick -h").unwrap().is_none());
         let a = parse("--quick --json --threads 2").unwrap().unwrap();
         assert!(a.quick && a.json && a.threads == 2 && a.steps == 20);
+        assert!(a.archs && a.torch_models.is_none());
+        let a = parse("--no-archs --torch-models t.json").unwrap().unwrap();
+        assert!(!a.archs && a.torch_models.as_deref() == Some("t.json"));
+        assert!(parse("--torch-models").is_err());
         let e = parse("--frobnicate").err().unwrap().to_string();
         assert!(
             e.contains("unknown argument \"--frobnicate\"") && e.contains("usage: bench"),

@@ -76,6 +76,13 @@ pub fn print_table(o: &Value) {
             );
         }
     }
+    crate::archs::print_table(o);
+    print_targets(o);
+}
+
+/// The targets, one line each, `MISS` where missed.
+pub fn print_targets(o: &Value) {
+    let f = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
     let targets = o["targets"].as_array().cloned().unwrap_or_default();
     if !targets.is_empty() {
         eprintln!("\ntargets (ratio from this run, one line each):");
@@ -272,5 +279,7 @@ pub fn targets(o: &Value) -> Value {
             }
         }
     }
+    // The three model families' (issue 39), when measured.
+    t.extend(crate::archs::targets(o));
     Value::Array(t)
 }

@@ -13,6 +13,13 @@
 //! sends every parameter gradient to the sink in f32, and returns only the input's gradient
 //! to candle: the three projections' f32 products summed in f32 and rounded once. Every
 //! other value is computed exactly as the unfused ops compute it.
+//!
+//! Options (Transformer Engine's `num_gqa_groups`, `rotary_pos_emb`, padding masks): fewer
+//! key/value heads (each serves `heads / kv_heads` query heads: repeated inside the node as
+//! candle-transformers' `repeat_kv`, their gradients summed over the group in f32), a rotary
+//! embedding applied to the queries and keys in f32 (candle's `rope` layout, its backward the
+//! transposed rotation), and a key length per batch item applied inside the softmax as the
+//! causal limit is (masked probabilities exactly 0; a row with no live key all zeros).
 
 use std::sync::{Arc, Mutex};
 
@@ -30,9 +37,12 @@ pub(crate) struct Attention {
     /// Batch, positions, heads, query/key width and value width per head.
     dims: Dims,
     scale: f32,
+    /// The rotary tables narrowed to the positions, f32 `(t, dk)`.
+    rope: Option<(Tensor, Tensor)>,
     /// The input in the products' type (a half copy of an f32 input at O1).
     x: Tensor,
-    /// `(b, h, t, dk)` queries, `(b, h, dk, t)` transposed keys, `(b, h, t, dv)` values.
+    /// `(b, h, t, dk)` queries, `(b, h, dk, t)` transposed keys, `(b, h, t, dv)` values
+    /// (rotated, and the key/value heads repeated over their groups).
     q: Tensor,
     kt: Tensor,
     v: Tensor,
@@ -49,21 +59,23 @@ struct Dims {
     b: usize,
     t: usize,
     h: usize,
+    /// Key/value heads (`h` without grouping).
+    kv: usize,
     dk: usize,
     dv: usize,
 }
 
 impl Dims {
-    /// `(b, t, h * d)` to `(b, h, t, d)`.
-    fn split(&self, x: &Tensor, d: usize) -> Result<Tensor> {
-        let Dims { b, t, h, .. } = *self;
-        rearranged(x, &[b, t, h, d], &[0, 2, 1, 3], &[b, h, t, d])
+    /// `(b, t, heads * d)` to `(b, heads, t, d)`.
+    fn split(&self, x: &Tensor, heads: usize, d: usize) -> Result<Tensor> {
+        let Dims { b, t, .. } = *self;
+        rearranged(x, &[b, t, heads, d], &[0, 2, 1, 3], &[b, heads, t, d])
     }
 
-    /// `(b, h, t, d)` to `(b, t, h * d)`.
-    fn merge(&self, x: &Tensor, d: usize) -> Result<Tensor> {
-        let Dims { b, t, h, .. } = *self;
-        rearranged(x, &[b, h, t, d], &[0, 2, 1, 3], &[b, t, h * d])
+    /// `(b, heads, t, d)` to `(b, t, heads * d)`.
+    fn merge(&self, x: &Tensor, heads: usize, d: usize) -> Result<Tensor> {
+        let Dims { b, t, .. } = *self;
+        rearranged(x, &[b, heads, t, d], &[0, 2, 1, 3], &[b, t, heads * d])
     }
 
     /// `(b, h, r, c)` to `(b, h, c, r)`.
@@ -71,6 +83,57 @@ impl Dims {
         let Dims { b, h, .. } = *self;
         rearranged(x, &[b, h, r, c], &[0, 1, 3, 2], &[b, h, c, r])
     }
+
+    /// Query heads per key/value head.
+    fn group(&self) -> usize {
+        self.h / self.kv
+    }
+
+    /// `(b, kv, t, d)` with each head repeated over its group, `(b, h, t, d)` (head `j` is
+    /// head `j / group`): candle-transformers' `repeat_kv`.
+    fn repeat(&self, x: Tensor) -> Result<Tensor> {
+        let n = self.group();
+        if n == 1 {
+            return Ok(x);
+        }
+        let (b, kv, t, d) = x.dims4()?;
+        Tensor::cat(&vec![&x; n], 2)?.reshape((b, kv * n, t, d))
+    }
+
+    /// The gradient of [`Self::repeat`]: `(b, h, t, d)` summed over each group in f32.
+    fn group_sum(&self, g: Tensor) -> Result<Tensor> {
+        let n = self.group();
+        if n == 1 {
+            return Ok(g);
+        }
+        let (b, _, t, d) = g.dims4()?;
+        super::cast(&g, DType::F32)?.reshape((b, self.kv, n, t, d))?.sum(2)
+    }
+}
+
+/// `[-x2, x1]` for the halves of the last dimension.
+fn rotate_half(x: &Tensor) -> Result<Tensor> {
+    let d = x.dim(candle_core::D::Minus1)?;
+    let (x1, x2) = (x.narrow(3, 0, d / 2)?, x.narrow(3, d / 2, d / 2)?);
+    Tensor::cat(&[&x2.neg()?, &x1], 3)
+}
+
+/// `x cos + rotate_half(x) sin` in f32 over `(b, h, t, d)`, returned in `x`'s type: the
+/// unfused path's ops in the same order.
+fn rope_fwd(x: &Tensor, (cos, sin): &(Tensor, Tensor)) -> Result<Tensor> {
+    let xw = super::cast(x, DType::F32)?;
+    let y = (xw.broadcast_mul(cos)? + rotate_half(&xw)?.broadcast_mul(sin)?)?;
+    super::cast(&y, x.dtype())
+}
+
+/// The gradient of [`rope_fwd`] in f32: `g cos + R^T(g sin)` with `R^T([z1, z2]) = [z2, -z1]`
+/// (the transposed rotation).
+fn rope_bwd(g: &Tensor, (cos, sin): &(Tensor, Tensor)) -> Result<Tensor> {
+    let g = super::cast(g, DType::F32)?;
+    let z = g.broadcast_mul(sin)?;
+    let d = z.dim(3)?;
+    let (z1, z2) = (z.narrow(3, 0, d / 2)?, z.narrow(3, d / 2, d / 2)?);
+    g.broadcast_mul(cos)? + Tensor::cat(&[&z2, &z1.neg()?], 3)?
 }
 
 impl Attention {
@@ -104,19 +167,34 @@ impl Attention {
         let missing = || candle_core::Error::Msg("amp-self-attention: no input gradient from a projection".into());
         // y = merged . wo^T + bo
         let g_merged = po.bwd_x(&self.merged, g, Dx::Dense)?.ok_or_else(missing)?;
-        let g_a = d.split(&g_merged, d.dv)?;
+        let g_a = d.split(&g_merged, d.h, d.dv)?;
         // a = p . v (p in the values' type, as the product runs)
         let p = super::cast(&self.probs, self.v.dtype())?;
         let g_p = bmm(&g_a, &self.v, false, true)?;
         let g_v = bmm(&p, &g_a, true, false)?;
         drop(p);
-        // p = softmax(scores * scale), its gradient in the scores' type
-        let g_s = super::softmax_grad::grad(&self.probs, &g_p, self.scale, self.q.dtype())?;
+        // p = softmax(scores * scale), its gradient in the scores' type (masked keys have
+        // p = 0, so their gradient is 0)
+        let dt = self.q.dtype();
+        let g_s = super::softmax_grad::grad(&self.probs, &g_p, self.scale, dt)?;
         // scores = q . kt
         let g_q = bmm(&g_s, &self.kt, false, true)?;
         let g_kt = bmm(&self.q, &g_s, true, false)?;
-        let g_k = d.transpose(&g_kt, d.dk, d.t)?;
-        let (g_q, g_k, g_v) = (d.merge(&g_q, d.dk)?, d.merge(&g_k, d.dk)?, d.merge(&g_v, d.dv)?);
+        let g_k = d.group_sum(d.transpose(&g_kt, d.dk, d.t)?)?;
+        let g_v = super::cast(&d.group_sum(g_v)?, dt)?;
+        // The rotation's backward in f32, rounded once.
+        let (g_q, g_k) = match &self.rope {
+            Some(r) => (
+                super::cast(&rope_bwd(&g_q, r)?, dt)?,
+                super::cast(&rope_bwd(&g_k, r)?, dt)?,
+            ),
+            None => (g_q, super::cast(&g_k, dt)?),
+        };
+        let (g_q, g_k, g_v) = (
+            d.merge(&g_q, d.h, d.dk)?,
+            d.merge(&g_k, d.kv, d.dk)?,
+            d.merge(&g_v, d.kv, d.dv)?,
+        );
         // x's three gradients summed in f32, rounded once.
         let dq = pq.bwd_x(&self.x, &g_q, Dx::Wide)?;
         let dk = pk.bwd_x(&self.x, &g_k, Dx::Wide)?;
@@ -160,16 +238,23 @@ impl CustomOp2 for Attention {
     }
 }
 
-/// How [`self_attention`] runs: heads, the causal mask, the softmax's scale and output type.
-#[derive(Debug, Clone, Copy)]
+/// How [`self_attention`] runs: heads, the options, the softmax's scale and output type.
+#[derive(Debug, Clone)]
 pub(crate) struct AttentionSpec {
     pub heads: usize,
+    /// Key/value heads (grouped-query attention); equal to `heads` without grouping.
+    pub kv_heads: usize,
     pub causal: bool,
     /// `None`: `1/sqrt(dk)`.
     pub scale: Option<f64>,
     /// The probabilities in f32 (autocast's softmax policy), cast to the values' type for
     /// the product; else written in the values' type.
     pub probs_f32: bool,
+    /// Rotary tables `cos`, `sin`, f32 `(max_t, dk)` (each half of a row repeated: candle's
+    /// `rope` layout), applied to the queries and keys.
+    pub rope: Option<(Tensor, Tensor)>,
+    /// A key length per batch item: keys at or past it get probability 0.
+    pub lengths: Option<Arc<[usize]>>,
 }
 
 /// Self-attention over `x` `(b, t, d)` as one node: `o(attention(q(x), k(x), v(x)))` with
@@ -214,16 +299,34 @@ pub(crate) fn build(
         return Ok(None);
     }
     let (dq, dk_all, dv_all) = (lq.w.dim(0)?, lk.w.dim(0)?, lv.w.dim(0)?);
-    let h = spec.heads;
+    let (h, kv) = (spec.heads, spec.kv_heads);
     let fits = [lq, lk, lv].iter().all(|l| l.w.dim(1).ok() == Some(d_in))
-        && dq == dk_all
+        && kv > 0
+        && h % kv == 0
         && dq % h == 0
-        && dv_all % h == 0
+        && dk_all * h == dq * kv
+        && dv_all % kv == 0
         && dq > 0
         && dv_all > 0
-        && lo.w.dim(1)? == dv_all
+        && lo.w.dim(1)? == dv_all / kv * h
         && lo.w.dim(0)? > 0;
     if !fits {
+        return Ok(None);
+    }
+    let dk = dq / h;
+    let rope = match &spec.rope {
+        None => None,
+        Some((c, s)) => {
+            let ok = |x: &Tensor| {
+                x.dtype() == DType::F32 && x.rank() == 2 && x.dims()[1] == dk && x.dims()[0] >= t && x.device().is_cpu()
+            };
+            if dk % 2 != 0 || !ok(c) || !ok(s) {
+                return Ok(None);
+            }
+            Some((super::dense(&c.narrow(0, 0, t)?)?, super::dense(&s.narrow(0, 0, t)?)?))
+        }
+    };
+    if spec.lengths.as_ref().is_some_and(|l| l.len() != b) {
         return Ok(None);
     }
     let xc = super::dense(&super::cast(&x.detach(), dt)?)?;
@@ -236,28 +339,39 @@ pub(crate) fn build(
         b,
         t,
         h,
-        dk: dq / h,
-        dv: dv_all / h,
+        kv,
+        dk,
+        dv: dv_all / kv,
     };
     let scale = spec.scale.unwrap_or(1.0 / (dims.dk as f64).sqrt());
     // The forward, op by op as the unfused attention runs them (`nn::scaled_dot_product_attention`).
-    let q = dims.split(&xc.apply_op1_no_bwd(&proj[0])?, dims.dk)?;
-    let k = dims.split(&xc.apply_op1_no_bwd(&proj[1])?, dims.dk)?;
-    let v = dims.split(&xc.apply_op1_no_bwd(&proj[2])?, dims.dv)?;
-    let kt = dims.transpose(&k, t, dims.dk)?;
+    let q = dims.split(&xc.apply_op1_no_bwd(&proj[0])?, h, dk)?;
+    let k = dims.split(&xc.apply_op1_no_bwd(&proj[1])?, kv, dk)?;
+    let v = dims.split(&xc.apply_op1_no_bwd(&proj[2])?, kv, dims.dv)?;
+    let (q, k) = match &rope {
+        Some(r) => (rope_fwd(&q, r)?, rope_fwd(&k, r)?),
+        None => (q, k),
+    };
+    let (k, v) = (dims.repeat(k)?, super::dense(&dims.repeat(v)?)?);
+    let kt = dims.transpose(&super::dense(&k)?, t, dk)?;
     drop(k);
     let scores = bmm(&q, &kt, false, false)?;
     let out = if spec.probs_f32 { DType::F32 } else { dt };
-    let probs = super::softmax::forward_no_bwd(&scores, scale, spec.causal, out)?;
+    let keys = spec
+        .lengths
+        .clone()
+        .map(|lengths| super::softmax::KeyLengths { lengths, per_item: h });
+    let probs = super::softmax::forward_no_bwd(&scores, scale, spec.causal, keys, out)?;
     drop(scores);
     let a = bmm(&super::cast(&probs, dt)?, &v, false, false)?;
-    let merged = dims.merge(&a, dims.dv)?;
+    let merged = dims.merge(&a, h, dims.dv)?;
     drop(a);
     let y = merged.apply_op1_no_bwd(&proj[3])?;
     Ok(Some(Attention {
         proj,
         dims,
         scale: scale as f32,
+        rope,
         x: xc,
         q,
         kt,

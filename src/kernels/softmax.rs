@@ -71,7 +71,8 @@ fn row(x: &mut [f32], live: usize, scale: f32) {
     dead.fill(0.0);
 }
 
-fn run<I: Elem, O: Elem>(x: &[I], cols: usize, rows_per_matrix: usize, scale: f32, causal: bool) -> Vec<O> {
+fn run<I: Elem, O: Elem>(x: &[I], cols: usize, rows_per_matrix: usize, op: &ScaledSoftmax) -> Vec<O> {
+    let (scale, causal) = (op.scale, op.causal);
     let mut out = vec![O::default(); x.len()];
     out.par_chunks_mut(cols * ROWS_PER_TASK)
         .zip(x.par_chunks(cols * ROWS_PER_TASK))
@@ -79,27 +80,44 @@ fn run<I: Elem, O: Elem>(x: &[I], cols: usize, rows_per_matrix: usize, scale: f3
         .for_each(|(task, (o, x))| {
             let mut buf = vec![0f32; cols];
             for (r, (o, x)) in o.chunks_mut(cols).zip(x.chunks(cols)).enumerate() {
-                let i = (task * ROWS_PER_TASK + r) % rows_per_matrix;
+                let global = task * ROWS_PER_TASK + r;
+                let i = global % rows_per_matrix;
+                let mut live = if causal { (i + 1).min(cols) } else { cols };
+                if let Some(keys) = &op.keys {
+                    // The batch item of this row's matrix: `keys.per_item` matrices (heads) each.
+                    let item = global / rows_per_matrix / keys.per_item.max(1);
+                    live = live.min(keys.lengths.get(item).copied().unwrap_or(cols));
+                }
                 I::to_f32(x, &mut buf);
-                row(&mut buf, if causal { (i + 1).min(cols) } else { cols }, scale);
+                row(&mut buf, live, scale);
                 O::from_f32(&buf, o);
             }
         });
     out
 }
 
+/// A per-batch-item key length for [`forward_no_bwd`]: the keys at or past `lengths[item]`
+/// get probability 0 (a row with no live key is all zeros), for `(b, per_item, t, t)` scores.
+#[derive(Debug, Clone)]
+pub(super) struct KeyLengths {
+    pub lengths: std::sync::Arc<[usize]>,
+    /// The matrices (heads) per batch item.
+    pub per_item: usize,
+}
+
 struct ScaledSoftmax {
     scale: f32,
     causal: bool,
     out: DType,
+    /// Inside the fused attention only: the keys' lengths per batch item.
+    keys: Option<KeyLengths>,
 }
 
 fn typed<I: Elem>(x: &[I], cols: usize, rows: usize, op: &ScaledSoftmax) -> Result<CpuStorage> {
-    let (s, c) = (op.scale, op.causal);
     Ok(match op.out {
-        DType::F32 => CpuStorage::F32(run(x, cols, rows, s, c)),
-        DType::F16 => CpuStorage::F16(run(x, cols, rows, s, c)),
-        DType::BF16 => CpuStorage::BF16(run(x, cols, rows, s, c)),
+        DType::F32 => CpuStorage::F32(run(x, cols, rows, op)),
+        DType::F16 => CpuStorage::F16(run(x, cols, rows, op)),
+        DType::BF16 => CpuStorage::BF16(run(x, cols, rows, op)),
         other => candle_core::bail!("amp-softmax: {other:?} output"),
     })
 }
@@ -142,12 +160,20 @@ impl CustomOp1 for ScaledSoftmax {
 }
 
 /// [`scaled_softmax`] on the CPU without a backward (inside a fused node): `x` of an
-/// f32/f16/bf16 type, the kernels on.
-pub(super) fn forward_no_bwd(x: &Tensor, scale: f64, causal: bool, out: DType) -> Result<Tensor> {
+/// f32/f16/bf16 type, the kernels on; `keys`: the keys' lengths per batch item, applied as
+/// the causal limit is (masked entries exactly 0, so the backward needs nothing more).
+pub(super) fn forward_no_bwd(
+    x: &Tensor,
+    scale: f64,
+    causal: bool,
+    keys: Option<KeyLengths>,
+    out: DType,
+) -> Result<Tensor> {
     super::dense(x)?.apply_op1_no_bwd(&ScaledSoftmax {
         scale: scale as f32,
         causal,
         out,
+        keys,
     })
 }
 
@@ -188,6 +214,7 @@ pub fn scaled_softmax(x: &Tensor, scale: f64, causal: bool, out: DType) -> Resul
             scale: scale as f32,
             causal,
             out,
+            keys: None,
         });
     }
     // On CUDA the fused kernel (kernels/cuda/softmax.cu), where it loads.
@@ -341,5 +368,43 @@ mod tests {
         );
         let x = Tensor::new(1f32, &Device::Cpu).unwrap();
         assert!(scaled_softmax(&x, 1.0, false, DType::F32).is_err());
+    }
+
+    #[test]
+    fn key_lengths_mask_like_the_causal_limit() {
+        // (b = 2, heads = 2, 3, 3) scores; item 0 sees 2 keys, item 1 none.
+        let v: Vec<f32> = (0..36).map(|i| (i % 7) as f32 * 0.25).collect();
+        let x = Tensor::from_vec(v, (2, 2, 3, 3), &Device::Cpu).unwrap();
+        let keys = |l: &[usize]| {
+            Some(KeyLengths {
+                lengths: l.into(),
+                per_item: 2,
+            })
+        };
+        for causal in [false, true] {
+            let p = forward_no_bwd(&x, 0.5, causal, keys(&[2, 0]), DType::F32).unwrap();
+            let rows = p.flatten_to(2).unwrap().to_vec2::<f32>().unwrap();
+            for (r, row) in rows.iter().enumerate() {
+                let (item, i) = (r / 6, r % 3);
+                let live = if item == 1 {
+                    0
+                } else if causal {
+                    (i + 1).min(2)
+                } else {
+                    2
+                };
+                assert!(row[live..].iter().all(|&p| p == 0.0), "{r}: {row:?}");
+                let sum: f32 = row.iter().sum();
+                let want = if live == 0 { 0.0 } else { 1.0 };
+                assert!((sum - want).abs() < 1e-6, "{r}: {row:?}");
+            }
+            // Lengths at or past the keys change nothing.
+            let full = forward_no_bwd(&x, 0.5, causal, keys(&[3, 9]), DType::F32).unwrap();
+            let none = forward_no_bwd(&x, 0.5, causal, None, DType::F32).unwrap();
+            assert_eq!(
+                full.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                none.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            );
+        }
     }
 }

@@ -10,8 +10,9 @@
 //!
 //! - the layers are [`crate::nn`]'s, so the norms have a backward (candle-nn's fused layer norm
 //!   does not, and nothing below it learns), the products autocast at O1, and inside a run
-//!   the feed-forward sub-layer runs as one fused node (the attention too where no mask is
-//!   given: the fused attention takes none);
+//!   the feed-forward sub-layer runs as one fused node, and so does the attention unless the
+//!   mask is no prefix mask (a `(b, t)` mask of ones then zeros is taken as key lengths,
+//!   [`crate::nn::SelfAttention::forward_masked`]);
 //! - the padding mask is additive and finite ([`attention_bias`], [`crate::nn::MASKED`]) and
 //!   is added to the scores in f32: candle-transformers multiplies `1 - mask` by `f32::MIN`
 //!   in the model's type, which is `-inf` in f16 and bf16, and `0 * -inf` is NaN from the
@@ -264,9 +265,13 @@ impl Layer {
         })
     }
 
-    /// Self-attention with an additive `bias` ([`attention_bias`]): the unfused layers, since
-    /// the fused module takes no mask; without one, the fused module (the same values).
-    fn attend(&self, x: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    /// Self-attention with key `lengths` (a prefix mask: the fused module's padding by
+    /// lengths), else with an additive `bias` ([`attention_bias`]: the unfused layers, for
+    /// masks that are no prefix), else unmasked (the fused module). The same values each way.
+    fn attend(&self, x: &Tensor, bias: Option<&Tensor>, lengths: Option<&[usize]>) -> Result<Tensor> {
+        if lengths.is_some() {
+            return self.attention.forward_masked(x, lengths);
+        }
         let Some(bias) = bias else {
             return self.attention.forward(x);
         };
@@ -277,10 +282,32 @@ impl Layer {
         o.forward(&nn::merge_heads(&a)?)
     }
 
-    fn forward(&self, x: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        let h = self.attention_norm.forward(&ops::add(&self.attend(x, bias)?, x)?)?;
+    fn forward(&self, x: &Tensor, bias: Option<&Tensor>, lengths: Option<&[usize]>) -> Result<Tensor> {
+        let h = self
+            .attention_norm
+            .forward(&ops::add(&self.attend(x, bias, lengths)?, x)?)?;
         self.output_norm.forward(&ops::add(&self.ffn.forward(&h)?, &h)?)
     }
+}
+
+/// The key lengths of a `(b, t)` 0/1 mask on the CPU whose every row is ones then zeros, with
+/// at least one 1 (what [`nn::SelfAttention::forward_masked`] takes, the fused node's mask);
+/// `None` for any other mask (the additive bias then runs). A fully padded row stays with the
+/// bias, whose finite mask leaves that row's softmax unmasked, where the lengths give zeros.
+fn prefix_lengths(mask: &Tensor) -> Result<Option<Vec<usize>>> {
+    if mask.rank() != 2 || !mask.device().is_cpu() || mask.elem_count() == 0 {
+        return Ok(None);
+    }
+    let rows = mask.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    let mut lengths = Vec::with_capacity(rows.len());
+    for r in &rows {
+        let n = r.iter().take_while(|&&m| m != 0.0).count();
+        if n == 0 || r[n..].iter().any(|&m| m != 0.0) {
+            return Ok(None);
+        }
+        lengths.push(n);
+    }
+    Ok(Some(lengths))
 }
 
 /// The BERT encoder: embeddings and `num_hidden_layers` post-norm blocks, returning the
@@ -320,10 +347,15 @@ impl BertModel {
         token_type_ids: &Tensor,
         attention_mask: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let bias = attention_mask.map(attention_bias).transpose()?;
+        let lengths = attention_mask.map(prefix_lengths).transpose()?.flatten();
+        // The additive bias only where the lengths do not say it all.
+        let bias = match lengths {
+            Some(_) => None,
+            None => attention_mask.map(attention_bias).transpose()?,
+        };
         let mut x = self.embeddings.forward(input_ids, token_type_ids)?;
         for layer in &self.layers {
-            x = layer.forward(&x, bias.as_ref())?;
+            x = layer.forward(&x, bias.as_ref(), lengths.as_deref())?;
         }
         Ok(x)
     }

@@ -45,10 +45,10 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{D, DType, Device, Result, Tensor};
+use candle_core::{Device, Result, Tensor};
 use candle_nn::{Module, VarBuilder};
 
-use crate::nn::{self as ann, merge_heads, scaled_dot_product_attention, split_heads};
+use crate::nn as ann;
 use crate::ops;
 
 fn default_rope_theta() -> f32 {
@@ -315,71 +315,32 @@ impl Rope {
     }
 }
 
-/// `[-x2, x1]` for the halves `x1`, `x2` of the last dimension.
-fn rotate_half(x: &Tensor) -> Result<Tensor> {
-    let d = x.dim(D::Minus1)?;
-    let x1 = x.narrow(D::Minus1, 0, d / 2)?;
-    let x2 = x.narrow(D::Minus1, d / 2, d - d / 2)?;
-    Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)
-}
-
-/// `x cos + rotate_half(x) sin` over `x` `(b, heads, t, head_dim)`, computed in f32 (f64
-/// stays f64) and returned in `x`'s type: candle-nn's `rope` (the same rotation, the layout
-/// candle-transformers' llama uses) has no backward.
-fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let dt = x.dtype();
-    let wide = if dt == DType::F64 { DType::F64 } else { DType::F32 };
-    let xw = crate::kernels::cast(x, wide)?;
-    let (cos, sin) = (cos.to_dtype(wide)?, sin.to_dtype(wide)?);
-    let y = ops::add(&ops::mul(&xw, &cos)?, &ops::mul(&rotate_half(&xw)?, &sin)?)?;
-    crate::kernels::cast(&y, dt)
-}
-
-/// Each of `x`'s `(b, kv_heads, t, d)` heads repeated `n` times in place (head `j` of the
-/// result is head `j / n` of `x`), as candle-transformers' `repeat_kv`.
-fn repeat_kv(x: Tensor, n: usize) -> Result<Tensor> {
-    if n == 1 {
-        return Ok(x);
-    }
-    let (b, kv, t, d) = x.dims4()?;
-    Tensor::cat(&vec![&x; n], 2)?.reshape((b, kv * n, t, d))
-}
-
-/// Causal self-attention with rotary positions and grouped key/value heads.
+/// Causal self-attention with rotary positions and grouped key/value heads: one
+/// [`ann::SelfAttention`] (one fused node in half on the CPU), its projections named
+/// `q_proj`, `k_proj`, `v_proj`, `o_proj`, the model's rotary tables passed per call.
 #[derive(Debug, Clone)]
 struct Attention {
-    q_proj: ann::Linear,
-    k_proj: ann::Linear,
-    v_proj: ann::Linear,
-    o_proj: ann::Linear,
-    heads: usize,
-    kv_heads: usize,
+    attn: ann::SelfAttention,
 }
 
 impl Attention {
     fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
         let (d, hd) = (cfg.hidden_size, cfg.head_dim());
         let (q, kv) = (hd * cfg.num_attention_heads, hd * cfg.num_key_value_heads());
-        Ok(Self {
-            q_proj: ann::linear_no_bias(d, q, vb.pp("q_proj"))?,
-            k_proj: ann::linear_no_bias(d, kv, vb.pp("k_proj"))?,
-            v_proj: ann::linear_no_bias(d, kv, vb.pp("v_proj"))?,
-            o_proj: ann::linear_no_bias(q, d, vb.pp("o_proj"))?,
-            heads: cfg.num_attention_heads,
-            kv_heads: cfg.num_key_value_heads(),
-        })
+        let attn = ann::SelfAttention::new(
+            ann::linear_no_bias(d, q, vb.pp("q_proj"))?,
+            ann::linear_no_bias(d, kv, vb.pp("k_proj"))?,
+            ann::linear_no_bias(d, kv, vb.pp("v_proj"))?,
+            ann::linear_no_bias(q, d, vb.pp("o_proj"))?,
+            cfg.num_attention_heads,
+            true,
+        )?
+        .with_kv_heads(cfg.num_key_value_heads())?;
+        Ok(Self { attn })
     }
 
     fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        let q = split_heads(&self.q_proj.forward(x)?, self.heads)?;
-        let k = split_heads(&self.k_proj.forward(x)?, self.kv_heads)?;
-        let v = split_heads(&self.v_proj.forward(x)?, self.kv_heads)?;
-        let q = apply_rope(&q, cos, sin)?;
-        let k = apply_rope(&k, cos, sin)?;
-        let n = self.heads / self.kv_heads;
-        let (k, v) = (repeat_kv(k, n)?, repeat_kv(v, n)?);
-        let y = scaled_dot_product_attention(&q, &k, &v, None, true, None)?;
-        self.o_proj.forward(&merge_heads(&y)?)
+        self.attn.forward_with(x, Some((cos, sin)), None)
     }
 }
 

@@ -140,15 +140,7 @@ impl Residual {
         mask: Option<&Tensor>,
     ) -> Result<Option<Tensor>> {
         match &self.body {
-            ResidualBody::Attention(a) => {
-                let [q, k, v, o] = a.projections().map(|l| (l.weight(), l.bias()));
-                let body = fused::BodySpec::Attention {
-                    proj: [q, k, v, o],
-                    heads: a.heads(),
-                    causal: a.causal(),
-                };
-                fused::residual(x, norm, body, mask)
-            }
+            ResidualBody::Attention(a) => fused::residual(x, norm, a.body_spec(), mask),
             ResidualBody::Mlp(m) => {
                 let spec = m.chain_spec();
                 fused::residual(x, norm, fused::BodySpec::Chain(&spec), mask)

@@ -1,11 +1,11 @@
 //! Multi-head self-attention as one fused module.
 
-use candle_core::{Result, Tensor};
+use candle_core::{D, DType, Result, Tensor};
 use candle_nn::{Module, VarBuilder};
 
-use super::attention::{merge_heads, scaled_dot_product_attention, split_heads};
+use super::attention::{key_padding_mask, merge_heads, scaled_dot_product_attention, split_heads};
 use super::linear::{Linear, linear};
-use crate::precision::fused;
+use crate::precision::{fused, ops};
 
 /// Multi-head self-attention `o(softmax(q k^T / sqrt(d_head) + mask) v)` over `x` of shape
 /// `(batch, positions, width)`, with the query, key, value and output projections as
@@ -39,6 +39,26 @@ use crate::precision::fused;
 /// assert_eq!(y.get(0)?.get(0)?.to_vec1::<f32>()?, [1.0, 0.0]);
 /// # Ok(()) }
 /// ```
+/// Options (Transformer Engine's `num_gqa_groups`, `rotary_pos_emb`, padding masks):
+///
+/// - **grouped-query attention**: `k` and `v` with `kv_heads * d_head` outputs, fewer than
+///   the queries' (inferred from the widths by [`SelfAttention::new`]; [`Self::with_kv_heads`]
+///   states it); key/value head `j` serves query heads `j * g .. (j + 1) * g`,
+///   `g = heads / kv_heads` (candle-transformers' `repeat_kv`);
+/// - **rotary embedding** ([`Self::with_rope`], or per call in [`Self::forward_with`]): f32
+///   tables `cos`, `sin` of shape `(max_positions, d_head)`, each row's two halves equal (the
+///   layout candle-transformers' Llama builds), applied to the queries and keys of head width
+///   `d_head` as candle's `rope`: with `x1`, `x2` the halves,
+///   `[x1 cos - x2 sin, x2 cos + x1 sin]`, in f32, the result in the queries' type;
+/// - **key padding by lengths** ([`Self::forward_masked`]): keys at or past `lengths[i]` get
+///   exactly 0 probability in sequence `i` (with the causal mask too); lengths past the
+///   sequence count as its length. A query with no live key (a length of 0) gets an
+///   attention output of zeros (the output projection's bias after it), not PyTorch's NaN.
+///
+/// The fused node applies all three inside itself (the rotation's backward and the groups'
+/// key/value gradient sums in f32); the unfused layers compute the same with
+/// [`crate::nn::scaled_dot_product_attention`], the heads repeated, the rotation as ops and the
+/// mask from [`crate::nn::key_padding_mask`].
 #[derive(Debug, Clone)]
 pub struct SelfAttention {
     q: Linear,
@@ -46,27 +66,35 @@ pub struct SelfAttention {
     v: Linear,
     o: Linear,
     heads: usize,
+    kv_heads: usize,
     causal: bool,
+    /// f32 `(max_positions, d_head)` tables.
+    rope: Option<(Tensor, Tensor)>,
 }
 
 impl SelfAttention {
-    /// The module from its projections: `q` and `k` map the width to `heads * d_head`, `v`
-    /// to `heads * d_value`, `o` from `heads * d_value` to the output width. An error when a
-    /// projection has an activation, `heads` is 0 or does not divide the widths, or the
-    /// widths do not chain.
+    /// The module from its projections: `q` maps the width to `heads * d_head`, `k` to
+    /// `kv_heads * d_head` and `v` to `kv_heads * d_value` (`kv_heads` dividing `heads`,
+    /// inferred from `k`'s width: `heads` without grouping), `o` from `heads * d_value` to
+    /// the output width. An error when a projection has an activation, `heads` is 0 or does
+    /// not divide the widths, or the widths do not chain.
     pub fn new(q: Linear, k: Linear, v: Linear, o: Linear, heads: usize, causal: bool) -> Result<Self> {
         if [&q, &k, &v, &o].iter().any(|l| l.activation().is_some()) {
             candle_core::bail!("SelfAttention: the projections take no activation")
         }
         let rows = |l: &Linear| l.weight().dims2();
         let ((nq, iq), (nk, ik), (nv, iv), (_, io)) = (rows(&q)?, rows(&k)?, rows(&v)?, rows(&o)?);
-        if heads == 0 || nq % heads != 0 || nv % heads != 0 {
-            candle_core::bail!("SelfAttention: {heads} heads do not divide the widths {nq} (queries) and {nv} (values)")
+        if heads == 0 || nq % heads != 0 || nq == 0 {
+            candle_core::bail!("SelfAttention: {heads} heads do not divide the query width {nq}")
         }
-        if nq != nk || iq != ik || iq != iv || io != nv {
+        let dk = nq / heads;
+        let kv_heads = nk / dk;
+        let fits = nk % dk == 0 && kv_heads > 0 && heads.is_multiple_of(kv_heads) && nv.is_multiple_of(kv_heads);
+        if !fits || iq != ik || iq != iv || io != nv / kv_heads.max(1) * heads {
             candle_core::bail!(
-                "SelfAttention: projections q {:?}, k {:?}, v {:?}, o {:?} do not fit (q and k of equal shape, v \
-                 of the same input width, o taking v's width)",
+                "SelfAttention: projections q {:?}, k {:?}, v {:?}, o {:?} do not fit {heads} heads (q and k of \
+                 the same head width, k's heads dividing q's, v of k's heads and the same input width, o \
+                 taking the heads' values)",
                 q.weight().dims(),
                 k.weight().dims(),
                 v.weight().dims(),
@@ -79,8 +107,39 @@ impl SelfAttention {
             v,
             o,
             heads,
+            kv_heads,
             causal,
+            rope: None,
         })
+    }
+
+    /// States the number of key/value heads (grouped-query attention): an error unless the
+    /// projections' widths give `kv_heads` (see [`Self::new`], which infers it).
+    pub fn with_kv_heads(self, kv_heads: usize) -> Result<Self> {
+        if kv_heads != self.kv_heads {
+            candle_core::bail!(
+                "SelfAttention: the key projection's width gives {} key/value heads, not {kv_heads}",
+                self.kv_heads
+            )
+        }
+        Ok(self)
+    }
+
+    /// A rotary embedding with tables `cos`, `sin` of shape `(max_positions, d_head)` (any
+    /// float type, kept in f32; each row's halves equal, see the type's documentation). An
+    /// error when the shapes differ or do not match the head width, or that width is odd.
+    pub fn with_rope(mut self, cos: &Tensor, sin: &Tensor) -> Result<Self> {
+        let dk = self.head_dim();
+        if cos.dims() != sin.dims() || cos.rank() != 2 || cos.dim(1)? != dk || !dk.is_multiple_of(2) {
+            candle_core::bail!(
+                "SelfAttention: rotary tables {:?} and {:?} for an even head width {dk}: (max_positions, {dk}) each",
+                cos.dims(),
+                sin.dims()
+            )
+        }
+        let f = |t: &Tensor| crate::kernels::cast(&t.detach(), candle_core::DType::F32);
+        self.rope = Some((f(cos)?, f(sin)?));
+        Ok(self)
     }
 
     /// The query, key, value and output projections.
@@ -88,9 +147,19 @@ impl SelfAttention {
         [&self.q, &self.k, &self.v, &self.o]
     }
 
-    /// The number of heads.
+    /// The number of (query) heads.
     pub fn heads(&self) -> usize {
         self.heads
+    }
+
+    /// The number of key/value heads (`heads` without grouping).
+    pub fn kv_heads(&self) -> usize {
+        self.kv_heads
+    }
+
+    /// The query/key width per head.
+    pub fn head_dim(&self) -> usize {
+        self.q.weight().dim(0).unwrap_or(0) / self.heads
     }
 
     /// Whether each position attends only to itself and earlier positions.
@@ -98,28 +167,138 @@ impl SelfAttention {
         self.causal
     }
 
+    /// The rotary tables given to [`Self::with_rope`], f32.
+    pub fn rope(&self) -> Option<(&Tensor, &Tensor)> {
+        self.rope.as_ref().map(|(c, s)| (c, s))
+    }
+
+    /// The attention over `x` `(batch, positions, width)` with keys at or past `lengths[i]`
+    /// masked in sequence `i` (`None`: none masked; see the type's documentation). An error
+    /// when `lengths` does not hold one length per sequence.
+    pub fn forward_masked(&self, x: &Tensor, lengths: Option<&[usize]>) -> Result<Tensor> {
+        self.forward_with(x, None, lengths)
+    }
+
+    /// [`Self::forward_masked`] with rotary tables for this call (f32 `(positions or more,
+    /// d_head)`) in place of the module's: a model that keeps one table cache for its layers
+    /// (`models::llama`). An error when the tables are shorter than the sequence.
+    pub fn forward_with(
+        &self,
+        x: &Tensor,
+        rope: Option<(&Tensor, &Tensor)>,
+        lengths: Option<&[usize]>,
+    ) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let rope = rope.or(self.rope());
+        if let Some((c, s)) = rope {
+            let dk = self.head_dim();
+            if c.rank() != 2 || c.dims() != s.dims() || c.dim(0)? < t || c.dim(1)? != dk {
+                candle_core::bail!(
+                    "SelfAttention: rotary tables {:?} do not cover {t} positions of head width {dk}",
+                    c.dims()
+                )
+            }
+        }
+        let lengths: Option<Vec<usize>> = match lengths {
+            Some(l) if l.len() != b => {
+                candle_core::bail!("SelfAttention: {} key lengths for a batch of {b}", l.len())
+            }
+            Some(l) => Some(l.iter().map(|&n| n.min(t)).collect()),
+            None => None,
+        };
+        fn p(l: &Linear) -> (&Tensor, Option<&Tensor>) {
+            (l.weight(), l.bias())
+        }
+        let proj = [p(&self.q), p(&self.k), p(&self.v), p(&self.o)];
+        let opts = fused::AttentionOptions {
+            kv_heads: self.kv_heads,
+            rope: rope.map(|(c, s)| (c.clone(), s.clone())),
+            lengths: lengths.as_deref().map(Into::into),
+        };
+        if let Some(y) = fused::self_attention(x, proj, self.heads, self.causal, &opts)? {
+            return Ok(y);
+        }
+        self.unfused(x, rope, lengths.as_deref())
+    }
+
+    /// The body of a fused `nn::Residual` (the module's own tables, no lengths).
+    pub(crate) fn body_spec(&self) -> fused::BodySpec<'_> {
+        let [q, k, v, o] = self.projections().map(|l| (l.weight(), l.bias()));
+        fused::BodySpec::Attention {
+            proj: [q, k, v, o],
+            heads: self.heads,
+            causal: self.causal,
+            opts: fused::AttentionOptions {
+                kv_heads: self.kv_heads,
+                rope: self.rope.clone(),
+                lengths: None,
+            },
+        }
+    }
+
     /// The unfused layers (what runs where the fused node does not apply).
-    fn unfused(&self, x: &Tensor) -> Result<Tensor> {
-        let split = |l: &Linear| split_heads(&l.forward(x)?, self.heads);
-        let (q, k, v) = (split(&self.q)?, split(&self.k)?, split(&self.v)?);
-        let a = scaled_dot_product_attention(&q, &k, &v, None, self.causal, None)?;
+    fn unfused(&self, x: &Tensor, rope: Option<(&Tensor, &Tensor)>, lengths: Option<&[usize]>) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let q = split_heads(&self.q.forward(x)?, self.heads)?;
+        let k = split_heads(&self.k.forward(x)?, self.kv_heads)?;
+        let v = split_heads(&self.v.forward(x)?, self.kv_heads)?;
+        let (q, k) = match rope {
+            Some((c, s)) => {
+                let (c, s) = (c.narrow(0, 0, t)?, s.narrow(0, 0, t)?);
+                (apply_rope(&q, &c, &s)?, apply_rope(&k, &c, &s)?)
+            }
+            None => (q, k),
+        };
+        let n = self.heads / self.kv_heads;
+        let (k, v) = (repeat_kv(k, n)?, repeat_kv(v, n)?);
+        let mask = lengths.map(|l| key_padding_mask(l, t, x.device())).transpose()?;
+        let mut a = scaled_dot_product_attention(&q, &k, &v, mask.as_ref(), self.causal, None)?;
+        if let Some(l) = lengths.filter(|l| l.contains(&0)) {
+            // A sequence with no live key: zeros (the fused softmax's empty rows), where the
+            // finite additive mask would leave the unmasked softmax.
+            let keep: Vec<f32> = l.iter().map(|&n| if n == 0 { 0.0 } else { 1.0 }).collect();
+            let keep = Tensor::from_vec(keep, (b, 1, 1, 1), x.device())?.to_dtype(a.dtype())?;
+            a = a.broadcast_mul(&keep)?;
+        }
         self.o.forward(&merge_heads(&a)?)
     }
 }
 
 impl Module for SelfAttention {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        fn p(l: &Linear) -> (&Tensor, Option<&Tensor>) {
-            (l.weight(), l.bias())
-        }
-        let proj = [p(&self.q), p(&self.k), p(&self.v), p(&self.o)];
-        if let Some(y) = fused::self_attention(x, proj, self.heads, self.causal)? {
-            return Ok(y);
-        }
-        self.unfused(x)
+        self.forward_with(x, None, None)
     }
 }
 
+/// `[-x2, x1]` for the halves `x1`, `x2` of the last dimension.
+fn rotate_half(x: &Tensor) -> Result<Tensor> {
+    let d = x.dim(D::Minus1)?;
+    let x1 = x.narrow(D::Minus1, 0, d / 2)?;
+    let x2 = x.narrow(D::Minus1, d / 2, d - d / 2)?;
+    Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)
+}
+
+/// `x cos + rotate_half(x) sin` over `x` `(b, heads, t, head_dim)`, computed in f32 (f64
+/// stays f64) and returned in `x`'s type: candle-nn's `rope` (the same rotation) has no
+/// backward.
+pub(crate) fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let dt = x.dtype();
+    let wide = if dt == DType::F64 { DType::F64 } else { DType::F32 };
+    let xw = crate::kernels::cast(x, wide)?;
+    let (cos, sin) = (cos.to_dtype(wide)?, sin.to_dtype(wide)?);
+    let y = ops::add(&ops::mul(&xw, &cos)?, &ops::mul(&rotate_half(&xw)?, &sin)?)?;
+    crate::kernels::cast(&y, dt)
+}
+
+/// Each of `x`'s `(b, kv_heads, t, d)` heads repeated `n` times in place (head `j` of the
+/// result is head `j / n` of `x`), as candle-transformers' `repeat_kv`.
+pub(crate) fn repeat_kv(x: Tensor, n: usize) -> Result<Tensor> {
+    if n == 1 {
+        return Ok(x);
+    }
+    let (b, kv, t, d) = x.dims4()?;
+    Tensor::cat(&vec![&x; n], 2)?.reshape((b, kv * n, t, d))
+}
 /// Builds a [`SelfAttention`] of width `d` with projections named `q`, `k`, `v`, `o` under
 /// `vb` (each as [`linear`] builds it, with bias).
 pub fn self_attention(d: usize, heads: usize, causal: bool, vb: VarBuilder) -> Result<SelfAttention> {

@@ -214,6 +214,7 @@ pub(crate) fn self_attention(
     proj: [(&Tensor, Option<&Tensor>); 4],
     heads: usize,
     causal: bool,
+    opts: &AttentionOptions,
 ) -> Result<Option<Tensor>> {
     if autocast::hooked_context().is_some() {
         return Ok(None);
@@ -235,15 +236,29 @@ pub(crate) fn self_attention(
     // input's half copy nor its three gradients are half tensors of the graph.
     let input = if xs[0].dtype() == x.dtype() { &xs[0] } else { x };
     let layers = [&layers[0], &layers[1], &layers[2], &layers[3]];
-    kernels::attention::self_attention(input, layers, attention_spec(heads, causal), stash)
+    kernels::attention::self_attention(input, layers, attention_spec(heads, causal, opts), stash)
 }
 
-fn attention_spec(heads: usize, causal: bool) -> kernels::attention::AttentionSpec {
+/// The self-attention's options beyond its heads and causal mask (`nn::SelfAttention`'s).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct AttentionOptions {
+    /// Key/value heads; 0: one per query head.
+    pub kv_heads: usize,
+    /// Rotary tables `cos`, `sin`, f32 `(max_t, head_dim)`.
+    pub rope: Option<(Tensor, Tensor)>,
+    /// A key length per batch item.
+    pub lengths: Option<std::sync::Arc<[usize]>>,
+}
+
+fn attention_spec(heads: usize, causal: bool, opts: &AttentionOptions) -> kernels::attention::AttentionSpec {
     kernels::attention::AttentionSpec {
         heads,
+        kv_heads: if opts.kv_heads == 0 { heads } else { opts.kv_heads },
         causal,
         scale: None,
         probs_f32: autocast::is_enabled(),
+        rope: opts.rope.clone(),
+        lengths: opts.lengths.clone(),
     }
 }
 
@@ -254,6 +269,7 @@ pub(crate) enum BodySpec<'a> {
         proj: [(&'a Tensor, Option<&'a Tensor>); 4],
         heads: usize,
         causal: bool,
+        opts: AttentionOptions,
     },
     /// Linear layers, each with its activation.
     Chain(&'a [(&'a Tensor, Option<&'a Tensor>, Option<Act>)]),
@@ -317,7 +333,12 @@ pub(crate) fn residual(
             };
             kernels::residual::residual(x, &xn[0], spec, build, mask, stash)
         }
-        BodySpec::Attention { proj, heads, causal } => {
+        BodySpec::Attention {
+            proj,
+            heads,
+            causal,
+            opts,
+        } => {
             let proj = proj.map(|(w, b)| (w, b, None));
             let Some(prepared) = prepared_layers(&stash, &proj)? else {
                 return Ok(None);
@@ -330,7 +351,8 @@ pub(crate) fn residual(
                 }
                 let input = if hs[0].dtype() == h.dtype() { &hs[0] } else { h };
                 let layers = [&layers[0], &layers[1], &layers[2], &layers[3]];
-                let node = kernels::attention::build(input, layers, attention_spec(heads, causal), sink.clone(), true)?;
+                let node =
+                    kernels::attention::build(input, layers, attention_spec(heads, causal, &opts), sink.clone(), true)?;
                 Ok(node.map(|n| kernels::residual::Body::Attention(Box::new(n))))
             };
             kernels::residual::residual(x, &xn[0], spec, build, mask, stash)
