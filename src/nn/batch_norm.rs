@@ -92,7 +92,8 @@ impl BatchNorm {
             .collect()
     }
 
-    fn normalise(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+    /// Refuses an input without this layer's features in dimension 1.
+    fn check_input(&self, x: &Tensor) -> Result<()> {
         let c = self.running_mean.dim(0)?;
         if x.rank() < 2 || x.dim(1)? != c {
             candle_core::bail!(
@@ -100,6 +101,10 @@ impl BatchNorm {
                 x.shape()
             )
         }
+        Ok(())
+    }
+
+    fn normalise(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         let shape = Self::stat_shape(x);
         let sdt = if crate::precision::autocast::eligible(x.dtype()) {
             DType::F32
@@ -200,17 +205,11 @@ impl ModuleT for BatchNorm {
 impl BatchNorm {
     fn forward_named(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         let in_dtype = x.dtype();
+        self.check_input(x)?;
         if x.elem_count() == 0 {
             // PyTorch's rule for an empty batch, on every device: the (empty) input comes
             // back and the running statistics stay as they are (a mean over nothing would
             // write NaN into them). No kernel runs, so none is launched with no blocks.
-            let c = self.running_mean.dim(0)?;
-            if x.rank() < 2 || x.dim(1)? != c {
-                candle_core::bail!(
-                    "batch-norm expects input of rank >= 2 with {c} features in dimension 1, got shape {:?}",
-                    x.shape()
-                )
-            }
             return Ok(x.clone());
         }
         let xn = self.normalise(x, train)?;

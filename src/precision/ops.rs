@@ -116,17 +116,13 @@ fn pointwise_op(op: &str, x: &Tensor, f: impl FnOnce(&Tensor) -> Result<Tensor>)
 
 fn promote2(op: &str, a: &Tensor, b: &Tensor, f: impl FnOnce(&Tensor, &Tensor) -> Result<Tensor>) -> Result<Tensor> {
     let (xs, _) = prepare(op, &[a, b])?;
-    // PyTorch's type promotion, with or without a policy: two float types compute in f32
-    // (f16 with bf16 too), so an f32 table times a half activation keeps its precision.
-    let (x, y) = (&xs[0], &xs[1]);
-    if x.dtype() != y.dtype() && eligible(x.dtype()) && eligible(y.dtype()) {
-        let (x, y) = (kernels::cast(x, DType::F32)?, kernels::cast(y, DType::F32)?);
-        return rec(op, f(&x, &y));
-    }
-    rec(op, f(x, y))
+    let xs = promoted(xs)?;
+    rec(op, f(&xs[0], &xs[1]))
 }
 
-/// `xs` in f32 where they are of several float types (see `promote2`); as they are otherwise.
+/// `xs` in f32 where they are of several float types; as they are otherwise. PyTorch's type
+/// promotion, with or without a policy (f16 with bf16 meets in f32 too), so an f32 table
+/// times a half activation keeps its precision.
 fn promoted(xs: Vec<Tensor>) -> Result<Vec<Tensor>> {
     let mixed = xs.windows(2).any(|w| w[0].dtype() != w[1].dtype());
     if mixed && xs.iter().all(|t| eligible(t.dtype())) {
@@ -138,14 +134,14 @@ fn promoted(xs: Vec<Tensor>) -> Result<Vec<Tensor>> {
 /// The one type [`prepare`] would give operands of types `dts` for `op`, without casting
 /// them (for kernels that cast as they read, `kernels::cuda::rows`): `None` where it would
 /// cast them to half (the Half list, which notes its use) or refuse them, or where one is not
-/// f32, f16 or bf16. Mixed float types give f32, as `promote2` computes them.
+/// f32, f16 or bf16. Mixed float types give f32, as `promoted` casts them.
 pub(super) fn prepared_type(op: &str, dts: &[DType]) -> Option<DType> {
     let first = *dts.first()?;
     if !dts.iter().all(|d| eligible(*d)) {
         return None;
     }
     let same = dts.iter().all(|d| *d == first).then_some(first);
-    // Mixed float types promote to f32 (see `promote2`).
+    // Mixed float types promote to f32 (see `promoted`).
     let promoted = Some(same.unwrap_or(DType::F32));
     let Some((ctx, force_f32)) = autocast::active_forced() else {
         return promoted;
