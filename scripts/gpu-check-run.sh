@@ -7,8 +7,9 @@
 #     bash run.sh > result.json
 #
 # Unpacks the binaries, finds the CUDA libraries in Python's site-packages, runs every test
-# binary with CANDLE_AMP_TEST_DEVICE=cuda (pass/fail counts per binary), then the bench on
-# CUDA, and prints ONE JSON object on stdout (progress on stderr). Everything together stays
+# binary with CANDLE_AMP_TEST_DEVICE=cuda (pass/fail counts per binary; the models' binaries
+# first, their statuses also under "models"), then the bench on CUDA (its Llama row included),
+# and prints ONE JSON object on stdout (progress on stderr). Everything together stays
 # under 10 minutes: each binary gets what the others leave (at most 4 minutes), and a binary
 # that runs out of it is stopped and reported as timed out. Exit status 0 when every test
 # passed and the bench gave its JSON.
@@ -66,7 +67,9 @@ fi
 # --- the tests ------------------------------------------------------------------------------
 export CANDLE_AMP_TEST_DEVICE=cuda RUST_BACKTRACE=1
 : > "$work/tests.tsv"
-bins=$(cd "$work/tests" && ls | LC_ALL=C sort)
+# The models' binaries (models_*: Llama, BERT, ViT) first, so that a run short of time skips
+# from the end of the list and never them; the others in name order.
+bins=$(cd "$work/tests" && ls | LC_ALL=C sort | awk '/^models_/ { print; next } { rest = rest $0 "\n" } END { printf "%s", rest }')
 count=$(echo "$bins" | wc -w)
 i=0
 for name in $bins; do
@@ -135,8 +138,13 @@ try:
     built = json.load(open(manifest))
 except (OSError, ValueError):
     built = None
+# The models' tests on their own line of the summary: pass/fail per binary.
+models = {n: t["status"] for n, t in tests.items() if n.startswith("models_")}
+if not models:
+    ok = False
 print(json.dumps({
     "ok": ok,
+    "models": models,
     "gpu": gpu or None,
     "built": built,
     "lib_dirs": [d for d in lib_dirs.split(":") if d],

@@ -2,9 +2,9 @@
 # Builds, here (no GPU needed), everything the CUDA check runs on a GPU machine, into one
 # folder of at most 64 MiB: target/gpu-check/ with
 #
-#     bins.tar.xz   every test binary (the library's unit tests and each tests/*.rs) and the
-#                   bench example, built in release with `--features cuda`, stripped, in one
-#                   solid archive
+#     bins.tar.xz   every test binary (the library's unit tests and each tests/*.rs, the
+#                   models' tests/models_*.rs checked to be there) and the bench example,
+#                   built in release with `--features cuda`, stripped, in one solid archive
 #     run.sh        what the GPU machine runs (see scripts/gpu-check-run.sh)
 #     manifest.json what was built, from which commit, and the sizes
 #
@@ -51,6 +51,12 @@ log "building the test binaries (release, --features cuda)"
 nice -n 5 cargo test --release --features cuda --lib --tests --no-run --message-format=json-render-diagnostics \
     | executables > "$stage/tests.txt"
 [ -s "$stage/tests.txt" ] || { log "cargo reported no test binaries"; exit 1; }
+# The models' tests (Llama, BERT, ViT against candle-transformers, under checkpointing and data
+# parallel) must be in the archive: a tests/models_*.rs that built no binary stops the script.
+for f in tests/models_*.rs; do
+    t=$(basename "$f" .rs)
+    grep -q "^$t " "$stage/tests.txt" || { log "no test binary for $f"; exit 1; }
+done
 log "building the bench example"
 nice -n 5 cargo build --release --features cuda --example bench --message-format=json-render-diagnostics \
     | executables > "$stage/bench.txt"
@@ -84,6 +90,7 @@ m = {
     "profile": "release",
     "cuda_compute_cap": os.environ.get("CUDA_COMPUTE_CAP"),
     "tests": [l.split()[0] for l in open(tests)],
+    "models": sorted(l.split()[0] for l in open(tests) if l.startswith("models_")),
     "stripped_bytes": raw,
     "archive_bytes": os.path.getsize(os.path.join(out, "bins.tar.xz")),
 }

@@ -1,6 +1,7 @@
 //! # candle-amp
 //!
-//! Apex-style automatic mixed precision for [candle](https://github.com/huggingface/candle).
+//! Apex-style automatic mixed precision for [candle](https://github.com/huggingface/candle):
+//! train a candle model in f16 or bf16 with f32 master weights and dynamic loss scaling.
 //!
 //! Call [`initialize`] once with how to build the model, the optimizer and an [`OptLevel`];
 //! wrap each backward in [`Amp::scale_loss`]; step the optimizer:
@@ -27,16 +28,30 @@
 //! # Ok(()) }
 //! ```
 //!
-//! The public surface: [`initialize`], [`AmpConfig`]/[`OptLevel`]/[`HalfType`], the handle
-//! [`Amp`] and its guard [`ScaleLoss`], the model wrapper [`AmpModel`], [`optim`] (our
-//! optimizers and the [`AmpOptimizer`] that drives them), the PyTorch-style [`GradScaler`],
-//! [`autocast`] scopes, [`ops`] and [`nn`] layers, [`checkpoint`]s (saved training state),
-//! data parallelism across processes ([`distributed`]), gradient checkpointing and chunked
-//! feed-forward ([`recompute`]), the numerics doctor ([`doctor`]: which tensors leave the half
-//! type's range, what to keep in f32, an automatic fallback), the error types, and the
-//! extension points: a
-//! [`GradReducer`] and `distributed::StepReducer` for data parallelism, a backward driver for
-//! [`ScaleLoss::backward_with`], the [`optim::Optimizer`] trait.
+//! ## Where to look
+//!
+//! | you want to | start at |
+//! |---|---|
+//! | set up a run, choose or override an opt level | [`initialize`], [`AmpConfig`], [`OptLevel`], [`HalfType`] |
+//! | train: the handle, its guard, the model wrapper | [`Amp`], [`ScaleLoss`], [`AmpModel`] |
+//! | optimizers (SGD, AdamW, any candle optimizer) | [`optim`], [`AmpOptimizer`] |
+//! | the PyTorch-style API | [`GradScaler`], [`autocast`] |
+//! | run ops in the type that is safe for them (O1) | [`ops`], [`nn`] |
+//! | train Llama, BERT or ViT | [`models`] |
+//! | save, resume, fine-tune | [`checkpoint`], [`AmpConfig::pretrained`] |
+//! | find which tensor leaves the half range | [`doctor`] |
+//! | fit a larger model: gradient checkpointing | [`recompute`] |
+//! | train on several processes or GPUs | [`distributed`] |
+//! | the fused CPU kernels and their instruction-set tiers | [`kernels`] |
+//! | match an error | [`AmpError`], [`CallOrderKind`], [`CheckpointErrorKind`], [`DistErrorKind`] |
+//!
+//! The extension points: a [`GradReducer`] and `distributed::StepReducer` for data
+//! parallelism, a backward driver for [`ScaleLoss::backward_with`], the
+//! [`optim::Optimizer`] trait.
+//!
+//! The repository's README and its `docs/` folder are the user's guide: getting started,
+//! opt levels, porting a model, loss scaling, diagnosing, checkpoints, memory, data
+//! parallel, CUDA, performance and the examples' flags.
 //!
 //! The crate is built in floors, each depending only on those below it (ARCHITECTURE.md
 //! draws it): `error`; `scaling` (the loss scale) and `kernels`; `precision` (opt levels,
@@ -45,16 +60,50 @@
 //! [`recompute`] and [`doctor`].
 
 #![warn(missing_docs)]
+// docs.rs (nightly, `--cfg docsrs`): the `mpi`, `cuda` and `nccl` items show their feature.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+// A doc link that no longer resolves fails the docs build, not only CI's `-D warnings` one.
+#![deny(rustdoc::broken_intra_doc_links)]
 
 // README's code blocks run as doctests, so what a user copies from it compiles and runs.
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
 
-// The guides' code blocks too.
+// The guides' code blocks too (docs/): each page is one item, so a failing block names its page.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/getting-started.md")]
+pub struct GettingStartedDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../docs/opt-levels.md")]
+pub struct OptLevelsDoctests;
 #[cfg(doctest)]
 #[doc = include_str!("../docs/porting.md")]
 pub struct PortingDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../docs/loss-scaling.md")]
+pub struct LossScalingDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../docs/diagnosing.md")]
+pub struct DiagnosingDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../docs/checkpoints.md")]
+pub struct CheckpointsDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../docs/memory.md")]
+pub struct MemoryDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../docs/distributed.md")]
+pub struct DistributedDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../docs/cuda.md")]
+pub struct CudaDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../docs/performance.md")]
+pub struct PerformanceDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../docs/examples.md")]
+pub struct ExamplesDoctests;
 
 mod amp;
 pub mod checkpoint;

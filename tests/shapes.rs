@@ -15,6 +15,10 @@
 //! with their fallbacks (products, linear, element-wise and activations, normalisation, the
 //! fallback product) stay on the CPU: off it both sides are the fallback.
 //!
+//! `options` (in `shapes/`) covers the gated MLP (each activation, bias on and off) and
+//! self-attention's options (grouped key/value heads, rotary embedding, key lengths) the
+//! same way, against references written from candle's ops.
+//!
 //! `fast_paths` (in `shapes/`) compares every kernel's fast path with its own fallback
 //! (`kernels::plain()`) on every instruction-set tier this CPU has, in f32, f16 and bf16,
 //! with every argument laid out any way, broadcast included, and empty dimensions anywhere.
@@ -22,6 +26,8 @@
 mod common;
 #[path = "shapes/fast_paths.rs"]
 mod fast_paths;
+#[path = "shapes/options.rs"]
+mod options;
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 

@@ -18,10 +18,13 @@
 //! timed in interleaved rounds of one step each, configuration after configuration, so a
 //! slow spell of a shared machine falls on all of them; the figure is the median step.
 //!
-//! JSON (`bench --json`): `archs.{llama,bert,vit}` holds `shape` (as `torch_models.py`
+//! A fourth, `llama_small` ([`SMALL`]: a llama2.c-sized Llama, no PyTorch peer), is measured
+//! the same way; its one target is that no half level is slower than O0.
+//!
+//! JSON (`bench --json`): `archs.{llama,bert,vit,llama_small}` holds `shape` (as `torch_models.py`
 //! names it), `rounds`, `steps` and `levels.{O0..O3}.{f16,bf16}.{step_ms, peak_mb}` (O0 is
 //! measured once, f32 throughout, and appears under both half types); the same figures
-//! appear beside the MLP's as `levels[L][H].{llama,bert,vit}_step_ms` and `..._peak_mb`.
+//! appear beside the MLP's as `levels[L][H].{llama,bert,vit,llama_small}_step_ms` and `..._peak_mb`.
 //! With `--torch-models FILE`, `archs.torch` is that file's object and `archs.{model}` gains
 //! `torch_fp32_step_ms` and `torch_autocast_bf16_step_ms`.
 
@@ -29,7 +32,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use candle_amp::models::{bert, llama, vit};
-use candle_amp::{self as amp, AmpConfig, HalfType, OptLevel, ops};
+use candle_amp::{self as amp, AmpConfig, HalfType, OptLevel};
 use candle_core::{Device, Tensor};
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
@@ -38,6 +41,10 @@ use crate::counting;
 
 /// The model families, as `torch_models.py` names them.
 pub const NAMES: [&str; 3] = ["llama", "bert", "vit"];
+/// Measured besides [`NAMES`], without a PyTorch peer: a llama2.c-sized Llama (dim 128,
+/// 4 layers, 4 heads, SwiGLU hidden 384, sequence 64, batch 16), where the half levels have
+/// the least to win; its one target is that no half level is slower than O0.
+pub const SMALL: &str = "llama_small";
 
 /// The configurations timed per model: O0 (f32; the half type is ignored) and each half
 /// level in both half types.
@@ -58,6 +65,10 @@ pub fn shape(name: &str, quick: bool) -> Result<Value> {
             "seq": 128, "batch": 8, "vocab": 1024, "rope_theta": 10000.0}),
         ("llama", true) => json!({"dim": 32, "layers": 2, "heads": 4, "kv_heads": 2, "hidden": 48,
             "seq": 16, "batch": 2, "vocab": 64, "rope_theta": 10000.0}),
+        ("llama_small", false) => json!({"dim": 128, "layers": 4, "heads": 4, "kv_heads": 4, "hidden": 384,
+            "seq": 64, "batch": 16, "vocab": 1024, "rope_theta": 10000.0}),
+        ("llama_small", true) => json!({"dim": 16, "layers": 1, "heads": 2, "kv_heads": 2, "hidden": 32,
+            "seq": 8, "batch": 2, "vocab": 32, "rope_theta": 10000.0}),
         ("bert", false) => json!({"hidden": 256, "layers": 4, "heads": 4, "intermediate": 1024,
             "vocab": 1024, "seq": 128, "batch": 8, "min_len": 64, "classes": 16}),
         ("bert", true) => json!({"hidden": 32, "layers": 2, "heads": 4, "intermediate": 64,
@@ -66,7 +77,7 @@ pub fn shape(name: &str, quick: bool) -> Result<Value> {
             "patch": 4, "image": 32, "channels": 3, "batch": 32, "classes": 10}),
         ("vit", true) => json!({"hidden": 24, "layers": 2, "heads": 3, "intermediate": 48,
             "patch": 4, "image": 8, "channels": 3, "batch": 2, "classes": 10}),
-        _ => bail!("unknown model {name:?} (llama, bert, vit)"),
+        _ => bail!("unknown model {name:?} (llama, llama_small, bert, vit)"),
     })
 }
 
@@ -106,7 +117,7 @@ impl Run {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
         let (batch, vocab) = (dim(s, "batch")?, s["vocab"].as_u64().unwrap_or(0) as u32);
         let net = match name {
-            "llama" => {
+            "llama" | "llama_small" => {
                 let (d, t) = (dim(s, "dim")?, dim(s, "seq")?);
                 let c = llama::Config {
                     hidden_size: d,
@@ -195,7 +206,7 @@ impl Run {
     fn step(&mut self) -> Result<isize> {
         let before = counting::reset_peak();
         let loss = match &self.net {
-            Net::Llama(m, x, y) => ops::cross_entropy(&m.forward(x)?, y)?,
+            Net::Llama(m, x, y) => m.call(|m| m.loss(x, y))?,
             Net::Bert(m, ids, real, tags) => {
                 let picked = m.forward(ids)?.flatten_to(1)?.index_select(real, 0)?;
                 amp::nn::loss::cross_entropy(&picked, tags)?
@@ -289,7 +300,7 @@ pub fn measure_into(out: &mut Value, quick: bool, torch: Option<Value>) -> Resul
     // falls on every configuration alike.
     let (rounds, steps) = if quick { (1, 1) } else { (7, 1) };
     let mut archs = json!({});
-    for name in NAMES {
+    for name in NAMES.into_iter().chain([SMALL]) {
         eprintln!("{name} (2 untimed steps, then {rounds} rounds of {steps} per configuration) ...");
         archs[name] = measure(name, quick, rounds, steps)?;
         for level in ["O0", "O1", "O2", "O3"] {
@@ -300,7 +311,7 @@ pub fn measure_into(out: &mut Value, quick: bool, torch: Option<Value>) -> Resul
                 slot[format!("{name}_peak_mb")] = fig["peak_mb"].clone();
             }
         }
-        if let Some(t) = &torch {
+        if let Some(t) = torch.as_ref().filter(|_| name != SMALL) {
             for k in ["fp32_step_ms", "autocast_bf16_step_ms"] {
                 archs[name][format!("torch_{k}")] = t[name][k].clone();
             }
@@ -361,7 +372,7 @@ pub fn targets(o: &Value) -> Vec<Value> {
         t.push(json!({"name": name, "ratio": ratio, "rule": "<=", "limit": limit, "met": ratio <= limit}));
     };
     let bf16_tier = matches!(o["isa"].as_str(), Some("avx512bf16" | "amx"));
-    for name in NAMES {
+    for name in NAMES.into_iter().chain([SMALL]) {
         let lv = |l: &str, h: &str, k: &str| f(&a[name]["levels"][l][h][k]);
         let o0 = lv("O0", "f16", "step_ms");
         for level in ["O1", "O2", "O3"] {
@@ -372,6 +383,9 @@ pub fn targets(o: &Value) -> Vec<Value> {
                     1.0,
                 );
             }
+        }
+        if name == SMALL {
+            continue;
         }
         if bf16_tier && name != "vit" {
             add(
@@ -419,7 +433,7 @@ pub fn print_table(o: &Value) {
         "\n{:<6} {:<6} {:<5} {:>10} {:>8} {:>9} {:>8}",
         "model", "level", "half", "step_ms", "vs O0", "peak_mb", "vs O0"
     );
-    for name in NAMES {
+    for name in NAMES.into_iter().chain([SMALL]) {
         let r0 = &a[name]["levels"]["O0"]["f16"];
         for (l, h) in configs() {
             let h = if l == OptLevel::O0 { "f32".into() } else { h.to_string() };
@@ -433,7 +447,7 @@ pub fn print_table(o: &Value) {
                 f(&r["peak_mb"]) / f(&r0["peak_mb"]),
             );
         }
-        if a["torch"].is_object() {
+        if a["torch"].is_object() && name != SMALL {
             let (tf, tb) = (
                 f(&a[name]["torch_fp32_step_ms"]),
                 f(&a[name]["torch_autocast_bf16_step_ms"]),

@@ -1,6 +1,7 @@
 //! The bench on a GPU (`--device cuda`), or shrunk to run anywhere (`--gpu-model tiny`):
-//! O0 to O3 in f16 and bf16 on the bench's MLP and on a GPT-2-small-sized transformer,
-//! built from `candle_amp::nn` as the train example's transformer is.
+//! O0 to O3 in f16 and bf16 on the bench's MLP, on a GPT-2-small-sized transformer, built
+//! from `candle_amp::nn` as the train example's transformer is, and on `models::llama` at the
+//! same size (`llama`: SwiGLU, rotary embedding, RMS norms; see `gpu/llama.rs`).
 //!
 //! Per model, level and half type: `step_ms` (median of the timed steps after the warm-up
 //! ones, each ended by a device synchronisation so the time is the GPU's, not the launch
@@ -26,6 +27,8 @@ use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 
 use crate::{counting, measure, models};
+
+mod llama;
 
 /// Which transformer the GPU bench trains.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -392,6 +395,10 @@ fn level(b: &GpuBench, level: OptLevel, half: HalfType, which: &str, data: &[(Te
             let (hidden, batch) = b.model.mlp();
             let model = amp.model(|vb| measure::Mlp::new(vb, 64, hidden))?;
             train(b, &amp, model, data, batch, meter)
+        } else if which == "llama" {
+            let c = llama::config(b.model);
+            let model = amp.model(|vb| candle_amp::models::llama::Llama::load(vb, &c))?;
+            train(b, &amp, model, data, b.batch * c.max_position_embeddings, meter)
         } else {
             let c = b.model.config();
             let model = amp.model(|vb| models::Transformer::new(vb, c, amp.generator("dropout"), None))?;
@@ -416,6 +423,8 @@ pub fn run(b: &GpuBench) -> Result<Value> {
         .map(|(x, y)| Ok((x.to_device(&b.device)?, y.to_device(&b.device)?)))
         .collect::<Result<_>>()?;
     let tok_data = token_batches(&c, b.batch, &b.device)?;
+    let llama_cfg = llama::config(b.model);
+    let llama_data = llama::token_batches(&llama_cfg, b.batch, &b.device)?;
     let mut out = json!({
         "device": device_name(&b.device),
         "gpu": gpu_name(&b.device),
@@ -436,6 +445,7 @@ pub fn run(b: &GpuBench) -> Result<Value> {
             json!({ "sizes": format!("64-{hidden}-{hidden}-10, ReLU, digits"), "batch": mlp_batch }),
         ),
         ("transformer", &tok_data, transformer_json(&c, b.batch)),
+        ("llama", &llama_data, llama::describe(&llama_cfg, b.batch)),
     ] {
         let mut levels = serde_json::Map::new();
         for lv in OptLevel::ALL {
@@ -499,9 +509,9 @@ pub fn targets(o: &Value) -> Value {
             1.0,
         );
     }
-    // The worst level of either model; unknown if any is.
+    // The worst level of any model; unknown if any is.
     let mut worst = Some(0f64);
-    for model in ["mlp", "transformer"] {
+    for model in ["mlp", "transformer", "llama"] {
         for level in ["O0", "O1", "O2", "O3"] {
             for half in ["f16", "bf16"] {
                 let s = o["models"][model]["levels"][level][half]["host_syncs_per_step"].as_f64();
@@ -535,7 +545,7 @@ pub fn print_table(o: &Value) {
         o["gpu"].as_str().unwrap_or("no name"),
         o["memory_source"].as_str().unwrap_or("?")
     );
-    for model in ["mlp", "transformer"] {
+    for model in ["mlp", "transformer", "llama"] {
         eprintln!("{model}: {}", o["models"][model]["model"]);
         eprintln!(
             "  {:<6} {:<5} {:>10} {:>14} {:>10} {:>12} {:>10} {:>12}",

@@ -112,6 +112,46 @@ struct Args {
 
 const USAGE: &str = "usage: bench [--json] [--threads N] [--steps N] [--quick] [--isa TIER] [--mallopt] [--kernels-only] [--torch [FILE]] [--no-archs] [--torch-models FILE] [--device cpu|cuda] [--gpu-model gpt2|tiny] [--gpu-batch N]";
 
+/// A row of `--help`'s table: flag, value, default (`-`: unset), meaning.
+type Row = (&'static str, &'static str, &'static str, &'static str);
+
+/// Each flag's row (as printed, one line each).
+#[rustfmt::skip]
+const FLAGS: [Row; 14] = [
+    ("--json", "", "off", "the JSON object as the only stdout line (the table is on stderr)"),
+    ("--threads", "N", "1", "candle's and rayon's threads"),
+    ("--steps", "N", "20 (GPU: 10)", "timed steps"),
+    ("--quick", "", "off", "everything shrunk, a smoke test (the CPU bench only)"),
+    ("--isa", "TIER", "the CPU's", "cap the kernels at portable|avx2|avx512|avx512bf16|amx"),
+    ("--mallopt", "", "off", "keep freed memory in glibc's heap"),
+    ("--kernels-only", "", "off", "stop after the kernels and matrix products"),
+    ("--torch", "[FILE]", "off", "ratios to PyTorch: run benches/peers/torch_amp.py, or read FILE"),
+    ("--no-archs", "", "off", "leave out Llama, BERT and ViT"),
+    ("--torch-models", "FILE", "-", "their ratios to PyTorch, from benches/peers/torch_models.py"),
+    ("--device", "cpu|cuda", "cpu", "cuda: the GPU bench (built with --features cuda)"),
+    ("--gpu-model", "gpt2|tiny", "gpt2", "the GPU bench's transformer, on --device (tiny: a smoke test)"),
+    ("--gpu-batch", "N", "8 (tiny: 4)", "sequences per step of the GPU bench"),
+    ("-h, --help", "", "", "print this help and exit"),
+];
+
+/// What `--help` prints: the one-line usage, then the flags as a table (flag, value, default,
+/// meaning), one line per flag.
+fn help() -> String {
+    let head: Row = ("flag", "value", "default", "meaning");
+    let width = |f: fn(&Row) -> &'static str| FLAGS.iter().chain([&head]).map(|r| f(r).len()).max().unwrap_or(0);
+    let (w0, w1, w2) = (width(|r| r.0), width(|r| r.1), width(|r| r.2));
+    let rule = ("-".repeat(w0), "-".repeat(w1), "-".repeat(w2), "-".repeat(7));
+    let mut out = format!(
+        "{USAGE}\n\n  {:w0$}  {:w1$}  {:w2$}  {}",
+        head.0, head.1, head.2, head.3
+    );
+    out += &format!("\n  {}  {}  {}  {}", rule.0, rule.1, rule.2, rule.3);
+    for r in &FLAGS {
+        out += &format!("\n  {:w0$}  {:w1$}  {:w2$}  {}", r.0, r.1, r.2, r.3);
+    }
+    out
+}
+
 /// Parses the arguments (without the program name); `None` for `-h` / `--help`.
 fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Option<Args>> {
     let mut a = Args {
@@ -196,7 +236,7 @@ fn gpu_main(a: &Args) -> Result<()> {
 
 fn main() -> Result<()> {
     let Some(a) = parse_args(std::env::args().skip(1))? else {
-        println!("{USAGE}");
+        println!("{}", help());
         return Ok(());
     };
     // Before any other thread exists (mallopt) and before anything is measured (the tier).
@@ -393,5 +433,45 @@ mod tests {
             e.contains("unknown argument \"--frobnicate\"") && e.contains("usage: bench"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn help_is_a_table_of_every_flag_with_the_parsers_defaults() {
+        let h = help();
+        assert!(h.starts_with("usage: bench "));
+        let lines: Vec<&str> = h.lines().collect();
+        assert_eq!(
+            lines[2].split_whitespace().collect::<Vec<_>>(),
+            ["flag", "value", "default", "meaning"]
+        );
+        // One line per flag, each flag of the usage line among them, and no other.
+        let usage_flags: Vec<&str> = USAGE
+            .split('[')
+            .skip(1)
+            .map(|s| s.split([' ', ']']).next().unwrap())
+            .collect();
+        let usage_flags: Vec<&str> = usage_flags.into_iter().filter(|f| f.starts_with("--")).collect();
+        let row_flags: Vec<&str> = FLAGS.iter().map(|r| r.0).filter(|f| !f.starts_with("-h")).collect();
+        assert_eq!(row_flags, usage_flags);
+        assert_eq!(lines.len(), 4 + FLAGS.len());
+        for (line, r) in lines[4..].iter().zip(&FLAGS) {
+            assert!(line.trim_start().starts_with(r.0) && line.ends_with(r.3), "{line}");
+        }
+        // The defaults shown are the parser's and the GPU bench's.
+        let a = parse("").unwrap().unwrap();
+        let default = |flag: &str| FLAGS.iter().find(|r| r.0 == flag).unwrap().2;
+        assert_eq!(default("--threads"), a.threads.to_string());
+        assert!(default("--steps").starts_with(&format!("{} ", a.steps)));
+        assert_eq!(default("--device"), a.device);
+        assert_eq!(
+            default("--gpu-model").parse::<gpu::GpuModel>().unwrap(),
+            gpu::GpuModel::Gpt2
+        );
+        let batch = |m: gpu::GpuModel| m.default_batch().to_string();
+        assert_eq!(
+            default("--gpu-batch"),
+            format!("{} (tiny: {})", batch(gpu::GpuModel::Gpt2), batch(gpu::GpuModel::Tiny))
+        );
+        assert!(!a.json && !a.quick && !a.mallopt && !a.kernels_only && a.archs && a.torch.is_none());
     }
 }

@@ -64,7 +64,7 @@ pub struct UsageError(pub String);
 
 impl fmt::Display for UsageError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}; {}", self.0, usage())
+        write!(f, "{}; {}", self.0, synopsis())
     }
 }
 
@@ -78,11 +78,62 @@ pub enum Parsed {
     Run(Box<Args>),
 }
 
-/// The one-line usage.
-pub fn usage() -> &'static str {
+/// The one-line usage, which a usage error repeats.
+pub fn synopsis() -> &'static str {
     "usage: train [--model mlp|cnn|transformer]... [--opt-level O0|O1|O2|O3]... [--half f16|bf16] \
      [--data FILE.csv] [--steps N] [--seed N] [--json] [--save DIR] [--resume DIR] [--report DIR] \
      [--doctor DIR] [--checkpoint SEGMENTS] [--ffn-chunk N]"
+}
+
+/// A row of `--help`'s table: flag, value, default (`-`: unset), meaning.
+type Row = (&'static str, &'static str, &'static str, &'static str);
+
+/// Each flag's row (as printed, one line each).
+#[rustfmt::skip]
+const FLAGS: [Row; 14] = [
+    ("--model", "mlp|cnn|transformer", "all three", "a model to train; repeat for several, each once"),
+    ("--opt-level", "O0|O1|O2|O3", "all four", "a level to train at; repeat for several, each once"),
+    ("--half", "f16|bf16", "f16", "the half type of O1-O3 (O0 computes in f32)"),
+    ("--data", "FILE.csv", "the digits", "numbers, integer label last, no header (mlp and cnn)"),
+    ("--steps", "N", "600", "steps per run (at least 1), counted from the start when resuming"),
+    ("--seed", "N", "0", "picks the initial weights and the held-out split"),
+    ("--json", "", "off", "one JSON object per run on stdout; the table to stderr"),
+    ("--save", "DIR", "-", "a checkpoint per run at the end, in DIR/<model>-<level>-<half>/"),
+    ("--resume", "DIR", "-", "continue each run from the checkpoint --save wrote there"),
+    ("--report", "DIR", "-", "DIR/<model>.svg: the loss per step and the loss scale"),
+    ("--doctor", "DIR", "-", "the numerics doctor's JSON and SVG per run, in DIR"),
+    ("--checkpoint", "SEGMENTS", "-", "transformer: gradient checkpointing, segments of blocks"),
+    ("--ffn-chunk", "N", "-", "transformer: the feed-forward on N positions at a time"),
+    ("-h, --help", "", "", "print this help and exit"),
+];
+
+/// The rows of `--help`'s table, with the ranges the parser enforces (from the constants it
+/// checks against) after the memory savers' meanings.
+fn flags() -> Vec<[String; 4]> {
+    let range = |flag: &str| match flag {
+        "--checkpoint" => format!(" (1 to {TRANSFORMER_LAYERS})"),
+        "--ffn-chunk" => format!(" (1 to {})", 2 * SEQ),
+        _ => String::new(),
+    };
+    FLAGS
+        .iter()
+        .map(|r| [r.0.into(), r.1.into(), r.2.into(), format!("{}{}", r.3, range(r.0))])
+        .collect()
+}
+
+/// What `--help` prints: the one-line usage, then the flags as a table (flag, value, default,
+/// meaning), one line per flag.
+pub fn usage() -> String {
+    let head = ["flag", "value", "default", "meaning"].map(String::from);
+    let rows = flags();
+    let width = |i: usize| rows.iter().chain([&head]).map(|r| r[i].len()).max().unwrap_or(0);
+    let (w0, w1, w2) = (width(0), width(1), width(2));
+    let rule = ["-".repeat(w0), "-".repeat(w1), "-".repeat(w2), "-".repeat(7)];
+    let mut out = format!("{}\n", synopsis());
+    for r in [&head, &rule].into_iter().chain(&rows) {
+        out += &format!("\n  {:w0$}  {:w1$}  {:w2$}  {}", r[0], r[1], r[2], r[3]);
+    }
+    out
 }
 
 /// Parses the arguments (without the program name). A flag given twice is refused: a
@@ -254,6 +305,47 @@ mod tests {
             Ok(Parsed::Help)
         ));
         assert!(matches!(parse(["-h".into()]), Ok(Parsed::Help)));
+    }
+
+    #[test]
+    fn help_is_a_table_of_every_flag_with_the_parsers_defaults() {
+        let h = usage();
+        assert!(h.starts_with("usage: train "));
+        let lines: Vec<&str> = h.lines().collect();
+        assert_eq!(lines[1], "");
+        assert_eq!(
+            lines[2].split_whitespace().collect::<Vec<_>>(),
+            ["flag", "value", "default", "meaning"]
+        );
+        // One line per flag, each flag of the usage line among them, and no other.
+        let synopsis_flags: Vec<&str> = synopsis()
+            .split('[')
+            .skip(1)
+            .map(|s| s.split([' ', ']']).next().unwrap())
+            .collect();
+        let rows = flags();
+        assert_eq!(lines.len(), 4 + rows.len());
+        let row_flags: Vec<&str> = rows
+            .iter()
+            .map(|r| r[0].as_str())
+            .filter(|f| !f.starts_with("-h"))
+            .collect();
+        assert_eq!(row_flags, synopsis_flags);
+        for (line, r) in lines[4..].iter().zip(&rows) {
+            assert!(
+                line.trim_start().starts_with(r[0].as_str()) && line.ends_with(r[3].as_str()),
+                "{line}"
+            );
+        }
+        // The defaults shown are the parser's; the ranges shown are the ones it enforces.
+        let default = |flag: &str| rows.iter().find(|r| r[0] == flag).unwrap()[2].clone();
+        let a = run("").unwrap();
+        assert_eq!(default("--steps"), a.steps.to_string());
+        assert_eq!(default("--seed"), a.seed.to_string());
+        assert_eq!(default("--half"), a.half.to_string());
+        assert_eq!((a.models.len(), a.levels.len()), (3, 4));
+        assert!(h.contains(&format!("(1 to {TRANSFORMER_LAYERS})")) && h.contains(&format!("(1 to {})", 2 * SEQ)));
+        assert!(run(&format!("--checkpoint {TRANSFORMER_LAYERS} --ffn-chunk {}", 2 * SEQ)).is_ok());
     }
 
     #[test]

@@ -37,6 +37,7 @@ use crate::error::{AmpError, DistErrorKind, Result};
 
 /// A rank of an MPI job (`MPI_COMM_WORLD`). Make one per process, at the start of `main`;
 /// dropping it finalises MPI.
+#[cfg_attr(docsrs, doc(cfg(feature = "mpi")))]
 pub struct MpiComm {
     // Field order: the communicator goes before the universe that finalises MPI.
     world: Mutex<SimpleCommunicator>,

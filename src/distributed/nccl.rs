@@ -26,6 +26,7 @@ use crate::error::{AmpError, DistErrorKind, Result};
 
 /// The NCCL unique id every rank must share (rank 0 makes it, then sends its bytes to the
 /// others by any means: a file, `MpiComm::broadcast_bytes`).
+#[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
 #[derive(Debug, Clone, Copy)]
 pub struct NcclId(Id);
 
@@ -70,6 +71,7 @@ fn backend(rank: usize, detail: String) -> AmpError {
 }
 
 /// A rank of an NCCL group on one CUDA device.
+#[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
 pub struct NcclComm {
     comm: Mutex<Comm>,
     /// The device's candle stream: the communicator enqueues on it, so collectives are

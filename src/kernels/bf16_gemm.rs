@@ -57,7 +57,11 @@ const DOT_PRODUCT_MIN_GAIN: f64 = 1.0;
 pub(super) fn dot_products_pay() -> bool {
     static PAY: OnceLock<bool> = OnceLock::new();
     *PAY.get_or_init(|| {
-        if !std::arch::is_x86_feature_detected!("avx512bf16") {
+        // The packing uses AVX-512 BW and VL (every CPU with BF16 has them; checked anyway).
+        if !(std::arch::is_x86_feature_detected!("avx512bf16")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vl"))
+        {
             return false;
         }
         // SAFETY: the CPU has AVX-512 F and BF16 (checked above; BF16 implies F).
@@ -110,16 +114,113 @@ unsafe fn fma_rate() -> f64 {
     (RATE_ITERS * 16 * 32) as f64 / s.max(1e-9)
 }
 
+thread_local! {
+    /// Packed-operand buffers kept between products on this thread: allocated fresh, a
+    /// block of a few hundred KiB is mapped, faulted in page by page and unmapped again
+    /// each call (as `scratch` says for the f32 buffers). At most two per thread (A's panels
+    /// and B's strips), each at the size of the largest block, so memory stays bounded.
+    static PACKED: std::cell::RefCell<Vec<Vec<u32>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+fn take_packed() -> Vec<u32> {
+    PACKED.with(|p| p.borrow_mut().pop()).unwrap_or_default()
+}
+
+fn give_packed(buf: Vec<u32>) {
+    PACKED.with(|p| {
+        let mut p = p.borrow_mut();
+        if p.len() < 2 {
+            p.push(buf);
+        }
+    });
+}
+
 #[inline(always)]
 fn pair(lo: bf16, hi: bf16) -> u32 {
     lo.to_bits() as u32 | (hi.to_bits() as u32) << 16
 }
 
 /// Packs B's block `[k0, k0+2*kp) x [n0, n0+nc)` into strips of NR columns.
+///
+/// Packing is a copy of the block and the micro-kernel reuses it over every row block, but
+/// at a transformer's sizes (depth and width a few hundred) the copy is not small beside the
+/// products: element by element through the strided view it took as long as the products
+/// (measured on Zen 4). Contiguous rows or columns, the layouts the products use, are
+/// copied slice by slice; other views take the element path.
 fn pack_b(b: &Mat<'_, bf16>, k: usize, k0: usize, kp: usize, n0: usize, nc: usize, out: &mut Vec<u32>) {
     let strips = nc.div_ceil(NR);
     out.clear();
     out.resize(strips * kp * NR, 0);
+    // Depth pairs whose both rows exist; the rest (an odd depth's last, or past the
+    // end) take the element path, which pads with zero.
+    let full = kp.min(k.saturating_sub(k0) / 2);
+    for s in 0..strips {
+        let base = s * kp * NR;
+        let cols = NR.min(nc - s * NR);
+        let c0 = n0 + s * NR;
+        if b.cs == 1 {
+            // Rows are contiguous: each depth pair interleaves two row slices.
+            if full > 0 {
+                let first = b.off + k0 * b.rs + c0;
+                let last = first + (2 * full - 1) * b.rs + cols;
+                // SAFETY: the slice holds rows k0..k0+2*full of the strip's columns; `out`
+                // holds the strip; the caller checked AVX-512 BF16 (F, BW and VL with it).
+                unsafe {
+                    interleave(
+                        &b.data[first..last],
+                        b.rs,
+                        cols,
+                        full,
+                        &mut out[base..base + kp * NR],
+                        NR,
+                    )
+                }
+            }
+        } else if b.rs == 1 {
+            // Columns are contiguous: a depth pair of one column is two neighbours, one
+            // word; a strip's pair is two gathers of 16 columns' words.
+            match lane_bytes(b.cs) {
+                Some(col_bytes) if full > 0 => {
+                    for j0 in (0..cols).step_by(16) {
+                        let lanes = 16.min(cols - j0);
+                        let first = b.off + (c0 + j0) * b.cs + k0;
+                        let last = b.off + (c0 + j0 + lanes - 1) * b.cs + k0 + 2 * full;
+                        let dst = &mut out[base + j0..base + kp * NR];
+                        // SAFETY: column j0+i's pair p, at byte 2*(i*cs + 2p) of the slice,
+                        // lies inside it (the last is column j0+lanes-1's pair full-1);
+                        // `dst` holds (full-1)*NR + lanes words; the caller checked AVX-512.
+                        unsafe { gather_words(&b.data[first..last], col_bytes, lanes, full, dst, NR) }
+                    }
+                }
+                _ => {
+                    for j in 0..cols {
+                        let c = b.off + (c0 + j) * b.cs + k0;
+                        for (p, two) in b.data[c..c + 2 * full].chunks_exact(2).enumerate() {
+                            out[base + p * NR + j] = pair(two[0], two[1]);
+                        }
+                    }
+                }
+            }
+        } else {
+            pack_b_elements(b, k, k0, 0, kp, c0, cols, &mut out[base..base + kp * NR]);
+            continue;
+        }
+        pack_b_elements(b, k, k0, full, kp, c0, cols, &mut out[base..base + kp * NR]);
+    }
+}
+
+/// The element path of [`pack_b`] for depth pairs `[p0, kp)` of one strip (`out`).
+#[allow(clippy::too_many_arguments)]
+fn pack_b_elements(
+    b: &Mat<'_, bf16>,
+    k: usize,
+    k0: usize,
+    p0: usize,
+    kp: usize,
+    c0: usize,
+    cols: usize,
+    out: &mut [u32],
+) {
     let get = |r: usize, c: usize| {
         if r < k {
             b.data[b.off + r * b.rs + c * b.cs]
@@ -127,25 +228,148 @@ fn pack_b(b: &Mat<'_, bf16>, k: usize, k0: usize, kp: usize, n0: usize, nc: usiz
             bf16::ZERO
         }
     };
-    for s in 0..strips {
-        let base = s * kp * NR;
-        let cols = NR.min(nc - s * NR);
-        for p in 0..kp {
-            let r = k0 + 2 * p;
-            let dst = &mut out[base + p * NR..base + p * NR + cols];
-            for (j, w) in dst.iter_mut().enumerate() {
-                let c = n0 + s * NR + j;
-                *w = pair(get(r, c), get(r + 1, c));
+    for p in p0..kp {
+        let r = k0 + 2 * p;
+        for (j, w) in out[p * NR..p * NR + cols].iter_mut().enumerate() {
+            *w = pair(get(r, c0 + j), get(r + 1, c0 + j));
+        }
+    }
+}
+
+/// Packs A's block `[m0, m0+mc) x [k0, k0+2*kp)` into panels of MR rows (contiguous rows or
+/// columns slice by slice, as [`pack_b`]).
+fn pack_a(a: &Mat<'_, bf16>, k: usize, m0: usize, mc: usize, k0: usize, kp: usize, out: &mut Vec<u32>) {
+    let panels = mc.div_ceil(MR);
+    out.clear();
+    out.resize(panels * kp * MR, 0);
+    let full = kp.min(k.saturating_sub(k0) / 2);
+    for q in 0..panels {
+        let base = q * kp * MR;
+        let rows = MR.min(mc - q * MR);
+        let r0 = m0 + q * MR;
+        if a.cs == 1 {
+            // Rows are contiguous: a depth pair of one row is two neighbours, one 32-bit
+            // word. A panel's pair is one gather of the rows' words: word by word, with
+            // the panel's stride between writes, the copy cost a third of the products it
+            // feeds (measured on Zen 4).
+            let first = a.off + r0 * a.rs + k0;
+            let last = a.off + (r0 + rows - 1) * a.rs + k0 + 2 * full;
+            match lane_bytes(a.rs) {
+                Some(row_bytes) if full > 0 => {
+                    let src = &a.data[first..last];
+                    let dst = &mut out[base..base + full * MR];
+                    // SAFETY: every word gathered, row i's pair p at byte 2*(i*rs + 2p) of
+                    // `src`, lies inside `src` (its last is row rows-1's pair full-1, and
+                    // `src` ends after it); `dst` holds full*MR words; the CPU has AVX-512
+                    // (the caller checked AVX-512 BF16).
+                    unsafe { gather_words(src, row_bytes, rows, full, dst, MR) }
+                }
+                _ => {
+                    for i in 0..rows {
+                        let r = a.off + (r0 + i) * a.rs + k0;
+                        for (p, two) in a.data[r..r + 2 * full].chunks_exact(2).enumerate() {
+                            out[base + p * MR + i] = pair(two[0], two[1]);
+                        }
+                    }
+                }
+            }
+        } else if a.rs == 1 {
+            // Columns are contiguous: each depth pair interleaves two column slices.
+            if full > 0 {
+                let first = a.off + k0 * a.cs + r0;
+                let last = first + (2 * full - 1) * a.cs + rows;
+                // SAFETY: the slice holds columns k0..k0+2*full of the panel's rows; `out`
+                // holds the panel; the caller checked AVX-512 BF16 (F, BW and VL with it).
+                unsafe {
+                    interleave(
+                        &a.data[first..last],
+                        a.cs,
+                        rows,
+                        full,
+                        &mut out[base..base + kp * MR],
+                        MR,
+                    )
+                }
+            }
+        } else {
+            pack_a_elements(a, k, 0, kp, k0, r0, rows, &mut out[base..base + kp * MR]);
+            continue;
+        }
+        pack_a_elements(a, k, full, kp, k0, r0, rows, &mut out[base..base + kp * MR]);
+    }
+}
+
+/// `dst[p*stride + i]` = the 32-bit word at byte `i*lane_bytes + 4p` of `src`, for
+/// `i < lanes` (at most 16) and `p < count` (the other words are left as they are): `lanes`
+/// rows (or columns) of depth pairs, one gather per pair.
+///
+/// # Safety
+/// Every such word lies inside `src`, `dst` holds `(count - 1) * stride + lanes` words, and
+/// the CPU has AVX-512 F.
+#[target_feature(enable = "avx512f")]
+unsafe fn gather_words(src: &[bf16], lane_bytes: i32, lanes: usize, count: usize, dst: &mut [u32], stride: usize) {
+    debug_assert!(lanes <= 16 && (count == 0 || dst.len() >= (count - 1) * stride + lanes));
+    let idx = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(lane_bytes),
+    );
+    let mask: __mmask16 = ((1u32 << lanes) - 1) as u16;
+    let base = src.as_ptr() as *const u8;
+    for p in 0..count {
+        // SAFETY: as the caller promised, for the lanes in the mask.
+        unsafe {
+            let w = _mm512_mask_i32gather_epi32::<1>(_mm512_setzero_si512(), mask, idx, base.add(4 * p) as *const i32);
+            _mm512_mask_storeu_epi32(dst.as_mut_ptr().add(p * stride) as *mut i32, mask, w);
+        }
+    }
+}
+
+/// `dst[p*stride + i] = pair(src[2p*step + i], src[(2p+1)*step + i])` for `i < width` (at
+/// most 32) and `p < count`: the depth pairs of `width` contiguous rows (or columns) whose
+/// neighbours lie `step` apart, 16 words per masked load, widen and store.
+///
+/// # Safety
+/// `src` holds `(2*count - 1) * step + width` values, `dst` holds `(count - 1) * stride +
+/// width` words, and the CPU has AVX-512 F, BW and VL.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn interleave(src: &[bf16], step: usize, width: usize, count: usize, dst: &mut [u32], stride: usize) {
+    debug_assert!(width <= 32 && count > 0 && src.len() > (2 * count - 1) * step + width - 1);
+    debug_assert!(dst.len() >= (count - 1) * stride + width);
+    let (s, d) = (src.as_ptr() as *const i16, dst.as_mut_ptr() as *mut i32);
+    for w0 in (0..width).step_by(16) {
+        let mask: __mmask16 = ((1u32 << (width - w0).min(16)) - 1) as u16;
+        for p in 0..count {
+            // SAFETY: the lanes in the mask lie inside `src` and `dst`, as the caller promised.
+            unsafe {
+                let lo = _mm256_maskz_loadu_epi16(mask, s.add(2 * p * step + w0));
+                let hi = _mm256_maskz_loadu_epi16(mask, s.add((2 * p + 1) * step + w0));
+                let w = _mm512_or_si512(
+                    _mm512_cvtepu16_epi32(lo),
+                    _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(hi)),
+                );
+                _mm512_mask_storeu_epi32(d.add(p * stride + w0), mask, w);
             }
         }
     }
 }
 
-/// Packs A's block `[m0, m0+mc) x [k0, k0+2*kp)` into panels of MR rows.
-fn pack_a(a: &Mat<'_, bf16>, k: usize, m0: usize, mc: usize, k0: usize, kp: usize, out: &mut Vec<u32>) {
-    let panels = mc.div_ceil(MR);
-    out.clear();
-    out.resize(panels * kp * MR, 0);
+/// The byte distance between neighbouring lanes of a gather, when 16 of them fit in `i32`.
+fn lane_bytes(stride: usize) -> Option<i32> {
+    i32::try_from(2 * stride).ok().filter(|b| b.checked_mul(16).is_some())
+}
+
+/// The element path of [`pack_a`] for depth pairs `[p0, kp)` of one panel (`out`).
+#[allow(clippy::too_many_arguments)]
+fn pack_a_elements(
+    a: &Mat<'_, bf16>,
+    k: usize,
+    p0: usize,
+    kp: usize,
+    k0: usize,
+    r0: usize,
+    rows: usize,
+    out: &mut [u32],
+) {
     let get = |r: usize, c: usize| {
         if c < k {
             a.data[a.off + r * a.rs + c * a.cs]
@@ -153,14 +377,37 @@ fn pack_a(a: &Mat<'_, bf16>, k: usize, m0: usize, mc: usize, k0: usize, kp: usiz
             bf16::ZERO
         }
     };
-    for q in 0..panels {
-        let base = q * kp * MR;
-        let rows = MR.min(mc - q * MR);
-        for p in 0..kp {
-            let c = k0 + 2 * p;
-            for i in 0..rows {
-                let r = m0 + q * MR + i;
-                out[base + p * MR + i] = pair(get(r, c), get(r, c + 1));
+    for p in p0..kp {
+        let c = k0 + 2 * p;
+        for i in 0..rows {
+            out[p * MR + i] = pair(get(r0 + i, c), get(r0 + i, c + 1));
+        }
+    }
+}
+
+/// Where the micro-kernel reads A's depth-pair words: a packed panel, or (row-major A
+/// whose block has no padded pair) the rows themselves, which a block reuses from L2 for
+/// every strip of B: packing them was a copy that cost a sixth of the products (Zen 4).
+#[derive(Clone, Copy)]
+enum PanelA {
+    /// A packed panel: pair `p` of row `i` at word `p * MR + i`.
+    Packed(*const u32),
+    /// Row 0's first pair at `base`; row `i` starts `i * row_bytes` later.
+    Rows { base: *const u8, row_bytes: usize },
+}
+
+impl PanelA {
+    /// The word of row `i`, pair `p`.
+    ///
+    /// # Safety
+    /// The panel holds that pair of that row.
+    #[inline(always)]
+    unsafe fn word(self, p: usize, i: usize) -> i32 {
+        // SAFETY: as the caller promised; rows need not be 4-byte aligned (an unaligned read).
+        unsafe {
+            match self {
+                PanelA::Packed(a) => *a.add(p * MR + i) as i32,
+                PanelA::Rows { base, row_bytes } => (base.add(i * row_bytes + 4 * p) as *const i32).read_unaligned(),
             }
         }
     }
@@ -169,7 +416,7 @@ fn pack_a(a: &Mat<'_, bf16>, k: usize, m0: usize, mc: usize, k0: usize, kp: usiz
 /// The 14 x 32 tile `c` (row stride `ldc`) `+=` (or `=`) panel `a` . strip `b` over `kp`
 /// depth pairs.
 #[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn kernel(kp: usize, a: *const u32, b: *const u32, c: *mut f32, ldc: usize, load: bool) {
+unsafe fn kernel(kp: usize, a: PanelA, b: *const u32, c: *mut f32, ldc: usize, load: bool) {
     unsafe {
         let mut acc = [_mm512_setzero_ps(); 2 * MR];
         if load {
@@ -182,9 +429,8 @@ unsafe fn kernel(kp: usize, a: *const u32, b: *const u32, c: *mut f32, ldc: usiz
             let bp = b.add(p * NR);
             let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(bp as *const __m512i));
             let b1: __m512bh = std::mem::transmute(_mm512_loadu_si512(bp.add(16) as *const __m512i));
-            let ap = a.add(p * MR);
             for i in 0..MR {
-                let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(*ap.add(i) as i32));
+                let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(a.word(p, i)));
                 acc[2 * i] = _mm512_dpbf16_ps(acc[2 * i], av, b0);
                 acc[2 * i + 1] = _mm512_dpbf16_ps(acc[2 * i + 1], av, b1);
             }
@@ -212,31 +458,39 @@ fn block(
     ldc: usize,
     load: bool,
 ) {
-    let mut ap = Vec::new();
-    pack_a(a, k, m0, mc, k0, kp, &mut ap);
+    let mut ap = take_packed();
+    // Row-major A with every pair of the block inside its rows: the whole panels are read
+    // in place and only the last, partial one is packed (its missing rows as zeros).
+    let direct = a.cs == 1 && 2 * kp <= k.saturating_sub(k0);
+    let whole = if direct { mc / MR } else { 0 };
+    pack_a(a, k, m0 + whole * MR, mc - whole * MR, k0, kp, &mut ap);
     let mut tile = [0f32; MR * NR];
     for s in 0..nc.div_ceil(NR) {
         let cols = NR.min(nc - s * NR);
         let strip = &bp[s * kp * NR..(s + 1) * kp * NR];
         for q in 0..mc.div_ceil(MR) {
             let rows = MR.min(mc - q * MR);
-            let panel = &ap[q * kp * MR..(q + 1) * kp * MR];
+            let panel = if q < whole {
+                // Row m0+q*MR+i's pairs lie inside A (whole rows, `2 kp <= k - k0`, and
+                // `check_product` bounded A's rows and columns).
+                let start = a.off + (m0 + q * MR) * a.rs + k0;
+                let last = start + (MR - 1) * a.rs + 2 * kp;
+                assert!(last <= a.data.len());
+                PanelA::Rows {
+                    base: a.data[start..].as_ptr() as *const u8,
+                    row_bytes: 2 * a.rs,
+                }
+            } else {
+                let q = q - whole;
+                PanelA::Packed(ap[q * kp * MR..(q + 1) * kp * MR].as_ptr())
+            };
             let r0 = q * MR;
             let c0 = n0 + s * NR;
             if rows == MR && cols == NR {
                 assert!((r0 + MR - 1) * ldc + c0 + NR <= c.len());
                 // SAFETY: the tile lies inside `c` (checked above), the panels hold kp pairs,
                 // and the CPU has AVX-512 BF16 (checked by the caller).
-                unsafe {
-                    kernel(
-                        kp,
-                        panel.as_ptr(),
-                        strip.as_ptr(),
-                        c.as_mut_ptr().add(r0 * ldc + c0),
-                        ldc,
-                        load,
-                    )
-                }
+                unsafe { kernel(kp, panel, strip.as_ptr(), c.as_mut_ptr().add(r0 * ldc + c0), ldc, load) }
             } else {
                 // Edge tile: through a full-size scratch tile.
                 for i in 0..rows {
@@ -245,7 +499,7 @@ fn block(
                     }
                 }
                 // SAFETY: as above, on the local scratch tile.
-                unsafe { kernel(kp, panel.as_ptr(), strip.as_ptr(), tile.as_mut_ptr(), NR, true) }
+                unsafe { kernel(kp, panel, strip.as_ptr(), tile.as_mut_ptr(), NR, true) }
                 for i in 0..rows {
                     for j in 0..cols {
                         c[(r0 + i) * ldc + c0 + j] = tile[i * NR + j];
@@ -254,6 +508,7 @@ fn block(
             }
         }
     }
+    give_packed(ap);
 }
 
 /// Panics unless every dimension is at least 1 and the product's operands and output lie
@@ -300,7 +555,7 @@ pub(crate) fn gemm(
     check_product(m, n, k, &a, &b, c.len(), ldc, "bf16 gemm");
     let pairs = k.div_ceil(2);
     let threads = rayon::current_num_threads();
-    let mut bp = Vec::new();
+    let mut bp = take_packed();
     for n0 in (0..n).step_by(NC) {
         let nc = NC.min(n - n0);
         for (blk, p0) in (0..pairs).step_by(KP).enumerate() {
@@ -337,6 +592,7 @@ pub(crate) fn gemm(
             }
         }
     }
+    give_packed(bp);
 }
 
 #[cfg(test)]
@@ -369,5 +625,109 @@ mod tests {
             let (a, b) = (vec![bf16::ONE; 6], vec![bf16::ONE; 12]);
             check_product(0, 4, 3, &view(&a, 3, 1), &view(&b, 4, 1), 8, 4, "empty");
         });
+    }
+
+    /// The slice-by-slice packers write what the element path writes, for row-major,
+    /// column-major and general views, with offsets, odd depths, depths past a block and
+    /// edge strips and panels.
+    #[test]
+    fn the_contiguous_packers_equal_the_element_path() {
+        let data: Vec<bf16> = (0..20_000)
+            .map(|i| bf16::from_bits(((i * 2_654_435_761usize) >> 7) as u16))
+            .collect();
+        for (rows, cols) in [(1, 1), (3, 5), (14, 32), (29, 70), (40, 33)] {
+            // (rs, cs) for a row-major, a column-major and a strided view, each at an offset.
+            for (rs, cs) in [(cols + 3, 1), (1, rows + 2), (2 * cols + 1, 2)] {
+                let m = Mat {
+                    data: &data,
+                    off: 5,
+                    rs,
+                    cs,
+                };
+                for (k0, kp) in [(0, rows.div_ceil(2)), (2, 4), (0, 1)] {
+                    // As B: depth = rows, width = cols.
+                    let (mut fast, mut slow) = (Vec::new(), vec![0; cols.div_ceil(NR) * kp * NR]);
+                    pack_b(&m, rows, k0, kp, 0, cols, &mut fast);
+                    for s in 0..cols.div_ceil(NR) {
+                        let w = NR.min(cols - s * NR);
+                        pack_b_elements(
+                            &m,
+                            rows,
+                            k0,
+                            0,
+                            kp,
+                            s * NR,
+                            w,
+                            &mut slow[s * kp * NR..(s + 1) * kp * NR],
+                        );
+                    }
+                    assert_eq!(fast, slow, "B {rows}x{cols} rs={rs} cs={cs} k0={k0} kp={kp}");
+                    // As A: height = rows, depth = cols.
+                    let kpa = kp.min(cols.div_ceil(2)).max(1);
+                    let (mut fast, mut slow) = (Vec::new(), vec![0; rows.div_ceil(MR) * kpa * MR]);
+                    pack_a(&m, cols, 0, rows, k0, kpa, &mut fast);
+                    for q in 0..rows.div_ceil(MR) {
+                        let h = MR.min(rows - q * MR);
+                        pack_a_elements(
+                            &m,
+                            cols,
+                            0,
+                            kpa,
+                            k0,
+                            q * MR,
+                            h,
+                            &mut slow[q * kpa * MR..(q + 1) * kpa * MR],
+                        );
+                    }
+                    assert_eq!(fast, slow, "A {rows}x{cols} rs={rs} cs={cs} k0={k0} kp={kpa}");
+                }
+            }
+        }
+    }
+
+    /// The product equals a direct sum for every operand layout (A read in place or packed,
+    /// B's rows or columns contiguous, views with offsets and padded strides, odd depths and
+    /// depths past a block): small integers, so every order of the f32 sums is exact.
+    #[test]
+    fn every_layout_gives_the_exact_product() {
+        if !dot_products_pay() {
+            return;
+        }
+        let val = |i: usize| bf16::from_f32(((i * 7919) % 11) as f32 - 5.0);
+        for (m, n, k) in [(29, 40, 64), (14, 32, 9), (45, 70, 515), (3, 5, 2)] {
+            let data: Vec<bf16> = (0..(m + 3) * (k + 5) + (k + 5) * (n + 3) + 64).map(val).collect();
+            // (off, rs, cs) per operand: row-major padded, column-major padded.
+            let a_views = [(3, k + 2, 1), (5, 1, m + 1)];
+            let b_views = [(7, n + 3, 1), (2, 1, k + 4)];
+            for &(ao, ars, acs) in &a_views {
+                for &(bo, brs, bcs) in &b_views {
+                    let a = Mat {
+                        data: &data,
+                        off: ao,
+                        rs: ars,
+                        cs: acs,
+                    };
+                    let b = Mat {
+                        data: &data,
+                        off: bo,
+                        rs: brs,
+                        cs: bcs,
+                    };
+                    let mut c = vec![1f32; m * n];
+                    gemm(m, n, k, a, b, &mut c, n, true);
+                    for i in 0..m {
+                        for j in 0..n {
+                            let want: f32 =
+                                1.0 + (0..k).map(|p| a.at(i, p).to_f32() * b.at(p, j).to_f32()).sum::<f32>();
+                            assert_eq!(
+                                c[i * n + j],
+                                want,
+                                "{m}x{n}x{k} a=({ao},{ars},{acs}) b=({bo},{brs},{bcs}) at {i},{j}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 }

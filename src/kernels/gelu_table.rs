@@ -1,5 +1,5 @@
-//! GELU and its derivative for f16 and bf16 inputs by table lookup: the tables and the
-//! lookups (`gelu` fills them).
+//! GELU (erf and tanh forms) and its derivative for f16 and bf16 inputs by table lookup: the
+//! tables and the lookups (`gelu` fills them, one pair per form).
 //!
 //! A half value has 65536 bit patterns, so `gelu` of every one (rounded to the type, 128 KiB)
 //! and `gelu'` of every one (in f32, 256 KiB) fit in two tables, each filled once per process
@@ -51,8 +51,9 @@ pub(super) trait Tabled: Elem + Vx {
     fn bits(self) -> u16;
     /// The value of a bit pattern.
     fn of_bits(b: u16) -> Self;
-    /// Where this type's tables live once filled.
-    fn cell() -> &'static OnceLock<Tables<Self>>;
+    /// Where this type's tables of the erf form (`tanh` false) or the tanh form live once
+    /// filled.
+    fn cell(tanh: bool) -> &'static OnceLock<Tables<Self>>;
 }
 
 /// Every value of the type, in bit order.
@@ -60,9 +61,9 @@ pub(super) fn patterns<T: Tabled>() -> Vec<T> {
     (0..PATTERNS).map(|b| T::of_bits(b as u16)).collect()
 }
 
-/// `T`'s tables, filled by `fill` on first use.
-pub(super) fn tables<T: Tabled>(fill: impl FnOnce() -> Tables<T>) -> &'static Tables<T> {
-    T::cell().get_or_init(fill)
+/// `T`'s tables of the form `tanh` says, filled by `fill` on first use.
+pub(super) fn tables<T: Tabled>(tanh: bool, fill: impl FnOnce() -> Tables<T>) -> &'static Tables<T> {
+    T::cell(tanh).get_or_init(fill)
 }
 
 impl Tabled for f16 {
@@ -72,9 +73,10 @@ impl Tabled for f16 {
     fn of_bits(b: u16) -> Self {
         f16::from_bits(b)
     }
-    fn cell() -> &'static OnceLock<Tables<Self>> {
-        static T: OnceLock<Tables<f16>> = OnceLock::new();
-        &T
+    fn cell(tanh: bool) -> &'static OnceLock<Tables<Self>> {
+        static ERF: OnceLock<Tables<f16>> = OnceLock::new();
+        static TANH: OnceLock<Tables<f16>> = OnceLock::new();
+        if tanh { &TANH } else { &ERF }
     }
 }
 
@@ -85,9 +87,10 @@ impl Tabled for bf16 {
     fn of_bits(b: u16) -> Self {
         bf16::from_bits(b)
     }
-    fn cell() -> &'static OnceLock<Tables<Self>> {
-        static T: OnceLock<Tables<bf16>> = OnceLock::new();
-        &T
+    fn cell(tanh: bool) -> &'static OnceLock<Tables<Self>> {
+        static ERF: OnceLock<Tables<bf16>> = OnceLock::new();
+        static TANH: OnceLock<Tables<bf16>> = OnceLock::new();
+        if tanh { &TANH } else { &ERF }
     }
 }
 

@@ -1,17 +1,20 @@
-//! A pre-norm residual sub-layer, `x + dropout(body(layer_norm(x)))`, as one graph node:
-//! Transformer Engine's `LayerNormLinear` / `LayerNormMLP` with the residual add, for a body
-//! that is itself a fused node (self-attention, a chain of linear layers, a gated MLP).
+//! A residual sub-layer as one graph node: pre-norm, `x + dropout(body(norm(x)))`
+//! (Transformer Engine's `LayerNormLinear` / `LayerNormMLP` with the residual add), or
+//! post-norm, `norm(x + dropout(body(x)))` (BERT, PyTorch's `norm_first=False`), with a
+//! layer norm or an RMS norm, for a body that is itself a fused node (self-attention, a
+//! chain of linear layers, a gated MLP).
 //!
 //! Unfused, each sub-layer of a transformer block leaves four tensors of the residual
 //! stream's width in candle's graph besides its input (the norm's output, the body's
 //! output, the dropout's output and the sum), and the input takes two gradients (through
-//! the norm and through the add). candle's backward adds each of those five gradients into
-//! a `zeros_like` in the tensor's type, in half at O2/O3, slowly on the CPU. Here the norm,
-//! the body, the dropout and the add run on detached tensors inside one node, each exactly
-//! as its own op computes it; the backward runs their backwards in reverse and returns one
-//! gradient for the input: the add's and the norm's summed in f32 and rounded once, which
-//! is what candle's half add of the two does. The norm's weight and bias gradients go to the
-//! sink in f32 (unfused, they are rounded to the parameter's type first).
+//! the norm or the body, and through the add). candle's backward adds each of those
+//! gradients into a `zeros_like` in the tensor's type, in half at O2/O3, slowly on the CPU.
+//! Here the norm, the body, the dropout and the add run on detached tensors inside one
+//! node, each exactly as its own op computes it; the backward runs their backwards in
+//! reverse and returns one gradient for the input: its two gradients summed in f32 and
+//! rounded once, which is what candle's half add of the two does. The norm's weight and
+//! bias gradients go to the sink in f32 (unfused, they are rounded to the parameter's type
+//! first).
 
 use std::sync::{Arc, Mutex};
 
@@ -22,7 +25,8 @@ use super::chain::Chain;
 use super::gated::Gated;
 use super::wgrad::{Dx, GradSink};
 
-/// The body between the norm and the dropout: a fused node built on the norm's output.
+/// The body in front of the dropout: a fused node built on the norm's output (pre-norm) or
+/// on the sub-layer's input (post-norm).
 pub(crate) enum Body {
     Attention(Box<Attention>),
     Chain(Chain),
@@ -59,26 +63,40 @@ impl Body {
     }
 }
 
-/// The layer norm in front of the body: its parameters as computed with (detached) and the
-/// parameters their gradients are for (`None`: not computed).
+/// The norm: its parameters as computed with (detached) and the parameters their gradients
+/// are for (`None`: not computed); `center`: a layer norm (the mean removed), else an RMS
+/// norm (no bias).
 pub(crate) struct NormSpec<'a> {
     pub w: Option<&'a Tensor>,
     pub b: Option<&'a Tensor>,
     pub w_key: Option<&'a Tensor>,
     pub b_key: Option<&'a Tensor>,
     pub eps: f64,
+    pub center: bool,
+}
+
+/// Where the norm sits: in front of the body (`x + body(norm(x))`) or after the add
+/// (`norm(x + body(x))`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Placement {
+    Pre,
+    Post,
 }
 
 /// The node, and what the forward kept for the backward.
 struct Residual {
-    /// The norm's input as the norm computed with it (the node's input, or its f32 copy
-    /// under autocast), detached.
+    placement: Placement,
+    /// The norm's input as the norm computed with it, detached: pre-norm the node's input
+    /// (or its f32 copy under autocast), post-norm the sum (likewise).
     xn: Tensor,
+    /// Post-norm: the sum's type (the norm's input gradient is cast back to it).
+    sum_dtype: DType,
     w: Option<Tensor>,
     w_key: Option<Tensor>,
     b_key: Option<Tensor>,
     eps: f64,
-    /// The norm's output, the body's input.
+    center: bool,
+    /// The body's input: pre-norm the norm's output, post-norm the node's input.
     h: Tensor,
     body: Body,
     body_out: Tensor,
@@ -93,19 +111,53 @@ impl Residual {
     /// the parameters' gradients went to the sink.
     fn input_grad(&self, x_dtype: DType, x_grad: bool, g: &Tensor) -> Result<Option<Tensor>> {
         let g = super::dense(g)?;
-        // The add's backward to the body's branch (a promoted half operand: the cast's
-        // backward), then the dropout's.
-        let gd = super::cast(&g, self.body_out.dtype())?;
+        match self.placement {
+            Placement::Pre => {
+                let gh = self.body_grad(&g)?;
+                let Some(gxn) = self.norm_grad(&gh, x_grad)? else {
+                    return Ok(None);
+                };
+                // The cast's backward where the norm computed on an f32 copy, then the add's
+                // and the norm's gradients summed in f32 and rounded once.
+                let gxn = super::cast(&gxn, x_dtype)?;
+                Ok(Some(super::elementwise::sum_rounded(&g, &gxn, x_dtype)?))
+            }
+            Placement::Post => {
+                let Some(gxn) = self.norm_grad(&g, true)? else {
+                    candle_core::bail!("amp-residual: the norm returned no input gradient")
+                };
+                let gs = super::cast(&gxn, self.sum_dtype)?;
+                let gh = self.body_grad(&gs)?;
+                if !x_grad {
+                    return Ok(None);
+                }
+                let gh = super::cast(&gh, x_dtype)?;
+                Ok(Some(super::elementwise::sum_rounded(&gs, &gh, x_dtype)?))
+            }
+        }
+    }
+
+    /// The body input's gradient for the sum's gradient `g`: the add's backward to the
+    /// body's branch (a promoted half operand: the cast's backward), the dropout's, the
+    /// body's (its parameters' gradients to the sink).
+    fn body_grad(&self, g: &Tensor) -> Result<Tensor> {
+        let gd = super::cast(g, self.body_out.dtype())?;
         let gd = match &self.mask {
             Some(m) => super::elementwise::mul_const(&gd, m)?,
             None => gd,
         };
-        let gh = self.body.input_grad(&self.h, &self.body_out, &gd)?;
-        let Some(gh) = gh else {
-            candle_core::bail!("amp-residual: the body returned no input gradient")
-        };
+        match self.body.input_grad(&self.h, &self.body_out, &gd)? {
+            Some(gh) => Ok(gh),
+            None => candle_core::bail!("amp-residual: the body returned no input gradient"),
+        }
+    }
+
+    /// The norm input's gradient (where `want_x`) for its output gradient `gy`, after its
+    /// weight and bias gradients went to the sink in f32.
+    fn norm_grad(&self, gy: &Tensor, want_x: bool) -> Result<Option<Tensor>> {
         let want_wb = self.w_key.is_some() || self.b_key.is_some();
-        let (gxn, wb) = super::norm::layer_norm_bwd(&self.xn, self.w.as_ref(), &gh, self.eps, (x_grad, want_wb))?;
+        let norm = (self.eps, self.center);
+        let (gxn, wb) = super::norm::norm_bwd(&self.xn, self.w.as_ref(), gy, norm, (want_x, want_wb))?;
         if let Some(wb) = wb {
             if let Some(k) = &self.w_key {
                 self.sink.add(k, wb.get(0)?.reshape(k.shape())?)?;
@@ -114,9 +166,7 @@ impl Residual {
                 self.sink.add(k, wb.get(1)?.reshape(k.shape())?)?;
             }
         }
-        let Some(gxn) = gxn else { return Ok(None) };
-        // The add's and the norm's gradients, summed in f32 and rounded once.
-        Ok(Some(super::elementwise::sum_rounded(&g, &gxn, x_dtype)?))
+        Ok(gxn)
     }
 
     fn fwd(&self) -> Result<(CpuStorage, Shape)> {
@@ -160,28 +210,49 @@ impl CustomOp2 for Residual {
     }
 }
 
-/// `x + dropout(body(layer_norm(xn)))` as one node, where `xn` is `x` as the norm computes
-/// with it (itself, or its f32 copy under autocast) and `body` builds its fused node on the
-/// norm's output (`None`: it does not apply, and neither does this node). `mask`: the
-/// dropout's mask in f32 (`None`: no dropout), cast to the body output's type as
-/// `nn::Dropout` casts it. The add promotes a half body output to an f32 `x` (O1); any
-/// other mix of types, a body output of another shape, another device or the kernels off
-/// give `None`: the caller runs the unfused ops (with the same mask).
+/// The sub-layer as one node: pre-norm `x + dropout(body(norm(x)))`, post-norm
+/// `norm(x + dropout(body(x)))`. `prep` gives a tensor as the norm computes with it (itself,
+/// or its f32 copy under autocast); `body` builds its fused node on its input (`None`: it
+/// does not apply, and neither does this node). `mask`: the dropout's mask in f32 (`None`:
+/// no dropout), cast to the body output's type as `nn::Dropout` casts it. The add promotes
+/// a half body output to an f32 `x` (O1); any other mix of types, a body output of another
+/// shape, another device or the kernels off give `None`: the caller runs the unfused ops
+/// (with the same mask).
 pub(crate) fn residual(
     x: &Tensor,
-    xn: &Tensor,
     norm: NormSpec<'_>,
+    placement: Placement,
+    prep: impl Fn(&Tensor) -> Result<Tensor>,
     body: impl FnOnce(&Tensor) -> Result<Option<Body>>,
     mask: Option<&Tensor>,
     sink: Arc<dyn GradSink>,
 ) -> Result<Option<Tensor>> {
     let float = |t: &Tensor| matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16);
-    if !(super::enabled() && x.device().is_cpu() && float(x) && float(xn) && x.rank() >= 2 && x.elem_count() > 0) {
+    if !(super::enabled() && x.device().is_cpu() && float(x) && x.rank() >= 2 && x.elem_count() > 0) {
         return Ok(None);
     }
-    let xn = super::dense(&xn.detach())?;
     let (w, b) = (norm.w.map(|t| t.detach()), norm.b.map(|t| t.detach()));
-    let h = super::layer_norm(&xn, w.as_ref(), b.as_ref(), norm.eps)?;
+    let normed = |xn: &Tensor| match norm.center {
+        true => super::layer_norm(xn, w.as_ref(), b.as_ref(), norm.eps),
+        false => super::rms_norm(xn, w.as_ref(), norm.eps),
+    };
+    let prepared = |t: &Tensor| -> Result<Option<Tensor>> {
+        let t = super::dense(&prep(t)?.detach())?;
+        Ok(float(&t).then_some(t))
+    };
+    let xd = super::dense(&x.detach())?;
+    // Pre-norm: the norm on the input, the body on its output.
+    let pre = match placement {
+        Placement::Pre => match prepared(x)? {
+            Some(xn) => Some((normed(&xn)?, xn)),
+            None => return Ok(None),
+        },
+        Placement::Post => None,
+    };
+    let h = match &pre {
+        Some((h, _)) => h.clone(),
+        None => xd.clone(),
+    };
     let Some(body) = body(&h)? else {
         return Ok(None);
     };
@@ -195,21 +266,30 @@ pub(crate) fn residual(
         Some(m) => super::elementwise::mul_const(&out, m)?,
         None => out.clone(),
     };
-    let xd = super::dense(&x.detach())?;
-    let y = if promoted {
-        (xd + super::cast(&d, DType::F32)?)?
+    let sum = if promoted {
+        (&xd + super::cast(&d, DType::F32)?)?
     } else {
         super::elementwise::add(&xd, &d)?
     };
-    // A fresh buffer of its own for `hand_over` (the add writes one).
+    let (y, xn) = match pre {
+        Some((_, xn)) => (sum, xn),
+        None => match prepared(&sum)? {
+            Some(xn) => (normed(&xn)?, xn),
+            None => return Ok(None),
+        },
+    };
+    // A fresh buffer of its own for `hand_over` (the add and the norm write one).
     let y = super::dense(&y)?;
     let trains = body.trains() || norm.w_key.is_some() || norm.b_key.is_some();
     let node = Residual {
+        placement,
         xn,
+        sum_dtype: x.dtype(),
         w,
         w_key: norm.w_key.cloned(),
         b_key: norm.b_key.cloned(),
         eps: norm.eps,
+        center: norm.center,
         h,
         body,
         body_out: out,

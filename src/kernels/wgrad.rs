@@ -32,6 +32,8 @@ pub(crate) enum Act {
     Relu,
     /// GELU (erf form), as [`super::gelu`]; the node keeps the pre-activation for the backward.
     Gelu,
+    /// GELU (tanh form), as [`super::gelu_tanh`]; kept as for [`Act::Gelu`].
+    GeluTanh,
 }
 
 /// The form of the input gradient [`WgradLinear::bwd_x`] returns.
@@ -139,14 +141,18 @@ impl WgradLinear {
         match self.act {
             None => Ok((h, shape)),
             Some(Act::Relu) => super::relu::Relu.cpu_fwd(&h, &layout),
-            Some(Act::Gelu) => {
+            Some(a @ (Act::Gelu | Act::GeluTanh)) => {
                 let pre = tensor_of(h, &shape)?;
                 let out = {
                     let (ps, _) = pre.storage_and_layout();
                     let Storage::Cpu(pc) = &*ps else {
                         candle_core::bail!("amp-linear-wgrad: the pre-activation is not on the CPU")
                     };
-                    super::gelu::Gelu.cpu_fwd(pc, &layout)?
+                    if a == Act::Gelu {
+                        super::gelu::Gelu.cpu_fwd(pc, &layout)?
+                    } else {
+                        super::gelu::GeluTanh.cpu_fwd(pc, &layout)?
+                    }
                 };
                 *self.pre.lock().unwrap_or_else(|e| e.into_inner()) = Some(pre);
                 Ok(out)
@@ -165,10 +171,14 @@ impl WgradLinear {
         match self.act {
             None => Ok(g),
             Some(Act::Relu) => res.apply_op2_no_bwd(&g, &super::relu::ReluGrad),
-            Some(Act::Gelu) => {
+            Some(a @ (Act::Gelu | Act::GeluTanh)) => {
                 let pre = self.pre.lock().unwrap_or_else(|e| e.into_inner()).clone();
                 let pre = pre.ok_or_else(|| candle_core::Error::Msg("amp-linear-wgrad: no forward ran".into()))?;
-                pre.apply_op2_no_bwd(&g, &super::gelu::GeluGrad)
+                if a == Act::Gelu {
+                    pre.apply_op2_no_bwd(&g, &super::gelu::GeluGrad)
+                } else {
+                    pre.apply_op2_no_bwd(&g, &super::gelu::GeluTanhGrad)
+                }
             }
         }
     }

@@ -10,9 +10,10 @@
 //!
 //! - the layers are [`crate::nn`]'s, so the norms have a backward (candle-nn's fused layer norm
 //!   does not, and nothing below it learns), the products autocast at O1, and inside a run
-//!   the feed-forward sub-layer runs as one fused node, and so does the attention unless the
+//!   each sub-layer, with its residual add and its layer norm, runs as one fused node (a
+//!   post-norm [`crate::nn::Residual`]): the feed-forward always, the attention unless the
 //!   mask is no prefix mask (a `(b, t)` mask of ones then zeros is taken as key lengths,
-//!   [`crate::nn::SelfAttention::forward_masked`]);
+//!   [`crate::nn::SelfAttention::forward_masked`], inside the node);
 //! - the padding mask is additive and finite ([`attention_bias`], [`crate::nn::MASKED`]) and
 //!   is added to the scores in f32: candle-transformers multiplies `1 - mask` by `f32::MIN`
 //!   in the model's type, which is `-inf` in f16 and bf16, and `0 * -inf` is NaN from the
@@ -54,12 +55,13 @@
 //! ```
 
 use candle_core::{DType, Result, Tensor};
-use candle_nn::{Module, VarBuilder};
+use candle_nn::{Module, ModuleT, VarBuilder};
 use serde::{Deserialize, Serialize};
 
 use crate::error::AmpError;
-use crate::nn::{self, Activation, Embedding, LayerNorm, Linear, Mlp, SelfAttention};
+use crate::nn::{self, Activation, Embedding, LayerNorm, Linear, Mlp, Residual, ResidualBody, SelfAttention};
 use crate::precision::ops;
+use crate::train::rng::Generator;
 
 /// The feed-forward activation, named as candle-transformers' `bert::HiddenAct` (serde
 /// `"gelu"`, `"geluapproximate"`, `"relu"`; Hugging Face's `"gelu_new"` and
@@ -235,13 +237,14 @@ impl Embeddings {
 }
 
 /// `encoder.layer.{i}.*`: a post-norm block, `h = norm(x + attn(x))`,
-/// `y = norm(h + ffn(h))`.
+/// `y = norm(h + ffn(h))`, each sub-layer one post-norm [`Residual`] (one fused node in
+/// half on the CPU, the key lengths inside).
 #[derive(Debug, Clone)]
 struct Layer {
-    attention: SelfAttention,
-    attention_norm: LayerNorm,
-    ffn: Mlp,
-    output_norm: LayerNorm,
+    /// The attention sub-layer with `attention.output.LayerNorm`.
+    attention: Residual,
+    /// The feed-forward sub-layer with `output.LayerNorm`.
+    ffn: Residual,
 }
 
 impl Layer {
@@ -257,36 +260,40 @@ impl Layer {
             false,
         )?;
         let up = nn::linear(h, i, vb.pp("intermediate").pp("dense"))?.with_activation(cfg.hidden_act.activation()?);
+        let ffn = Mlp::new(vec![up, nn::linear(i, h, vb.pp("output").pp("dense"))?]);
+        // Dropout is the identity (p = 0 draws nothing from the generator).
+        let none = || nn::Dropout::new(0.0, Generator::new(0, "bert"));
         Ok(Self {
-            attention,
-            attention_norm: nn::layer_norm(h, cfg.layer_norm_eps, out.pp("LayerNorm"))?,
-            ffn: Mlp::new(vec![up, nn::linear(i, h, vb.pp("output").pp("dense"))?]),
-            output_norm: nn::layer_norm(h, cfg.layer_norm_eps, vb.pp("output").pp("LayerNorm"))?,
+            attention: Residual::post_norm(
+                nn::layer_norm(h, cfg.layer_norm_eps, out.pp("LayerNorm"))?,
+                attention,
+                none()?,
+            ),
+            ffn: Residual::post_norm(
+                nn::layer_norm(h, cfg.layer_norm_eps, vb.pp("output").pp("LayerNorm"))?,
+                ffn,
+                none()?,
+            ),
         })
     }
 
-    /// Self-attention with key `lengths` (a prefix mask: the fused module's padding by
-    /// lengths), else with an additive `bias` ([`attention_bias`]: the unfused layers, for
-    /// masks that are no prefix), else unmasked (the fused module). The same values each way.
+    /// The attention sub-layer: with key `lengths` (a prefix mask: padding by lengths inside
+    /// the fused node), else with an additive `bias` ([`attention_bias`]: the unfused layers,
+    /// for masks that are no prefix), else unmasked. The same values each way.
     fn attend(&self, x: &Tensor, bias: Option<&Tensor>, lengths: Option<&[usize]>) -> Result<Tensor> {
-        if lengths.is_some() {
-            return self.attention.forward_masked(x, lengths);
-        }
-        let Some(bias) = bias else {
-            return self.attention.forward(x);
+        let (Some(bias), None, ResidualBody::Attention(attn)) = (bias, lengths, self.attention.body()) else {
+            return self.attention.forward_with(x, true, None, lengths);
         };
-        let [q, k, v, o] = self.attention.projections();
-        let heads = self.attention.heads();
+        let [q, k, v, o] = attn.projections();
+        let heads = attn.heads();
         let split = |l: &Linear| nn::split_heads(&l.forward(x)?, heads);
         let a = nn::scaled_dot_product_attention(&split(q)?, &split(k)?, &split(v)?, Some(bias), false, None)?;
-        o.forward(&nn::merge_heads(&a)?)
+        let a = o.forward(&nn::merge_heads(&a)?)?;
+        self.attention.norm().forward(&ops::add(x, &a)?)
     }
 
     fn forward(&self, x: &Tensor, bias: Option<&Tensor>, lengths: Option<&[usize]>) -> Result<Tensor> {
-        let h = self
-            .attention_norm
-            .forward(&ops::add(&self.attend(x, bias, lengths)?, x)?)?;
-        self.output_norm.forward(&ops::add(&self.ffn.forward(&h)?, &h)?)
+        self.ffn.forward_t(&self.attend(x, bias, lengths)?, true)
     }
 }
 
@@ -312,11 +319,23 @@ fn prefix_lengths(mask: &Tensor) -> Result<Option<Vec<usize>>> {
 
 /// The BERT encoder: embeddings and `num_hidden_layers` post-norm blocks, returning the
 /// hidden states `(b, t, hidden_size)` (candle-transformers' `bert::BertModel`).
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct BertModel {
     embeddings: Embeddings,
     layers: Vec<Layer>,
     pad_token_id: u32,
+    /// How the layers run (`None`: plainly); see [`super::BlockRunner`].
+    runner: Option<super::BlockRunner>,
+}
+
+impl std::fmt::Debug for BertModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BertModel")
+            .field("layers", &self.layers.len())
+            .field("pad_token_id", &self.pad_token_id)
+            .field("block_runner", &self.runner.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl BertModel {
@@ -333,7 +352,14 @@ impl BertModel {
             embeddings,
             layers,
             pad_token_id: cfg.pad_token_id as u32,
+            runner: None,
         })
+    }
+
+    /// Runs each encoder layer through `runner` (gradient checkpointing per layer: see
+    /// [`super::BlockRunner`]); `None` runs them plainly.
+    pub fn set_block_runner(&mut self, runner: Option<super::BlockRunner>) {
+        self.runner = runner;
     }
 
     /// The hidden states `(b, t, hidden_size)` of `input_ids` `(b, t)` with `token_type_ids`
@@ -354,8 +380,15 @@ impl BertModel {
             None => attention_mask.map(attention_bias).transpose()?,
         };
         let mut x = self.embeddings.forward(input_ids, token_type_ids)?;
-        for layer in &self.layers {
-            x = layer.forward(&x, bias.as_ref(), lengths.as_deref())?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = match &self.runner {
+                None => layer.forward(&x, bias.as_ref(), lengths.as_deref())?,
+                Some(run) => {
+                    let (layer, bias, lengths) = (layer.clone(), bias.clone(), lengths.clone());
+                    let block = move |x: &Tensor| layer.forward(x, bias.as_ref(), lengths.as_deref());
+                    run(i, std::sync::Arc::new(block), &x)?
+                }
+            };
         }
         Ok(x)
     }
@@ -420,6 +453,11 @@ impl BertForTokenClassification {
     /// The encoder.
     pub fn bert(&self) -> &BertModel {
         &self.bert
+    }
+
+    /// The encoder, mutably (for [`BertModel::set_block_runner`]).
+    pub fn bert_mut(&mut self) -> &mut BertModel {
+        &mut self.bert
     }
 
     /// The logits `(b, t, num_labels)`; the arguments are [`BertModel::forward`]'s.

@@ -232,12 +232,23 @@ impl Layer {
 /// A ViT image classifier (candle-transformers' `vit::Model`, Hugging Face's
 /// `ViTForImageClassification`): images `(b, num_channels, image_size, image_size)` to
 /// logits `(b, num_labels)`, read from the class token after the final layer norm.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Model {
     embeddings: Embeddings,
     layers: Vec<Layer>,
     layernorm: LayerNorm,
     classifier: Linear,
+    /// How the layers run (`None`: plainly); see [`super::BlockRunner`].
+    runner: Option<super::BlockRunner>,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model")
+            .field("layers", &self.layers.len())
+            .field("block_runner", &self.runner.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Model {
@@ -262,7 +273,14 @@ impl Model {
             layers,
             layernorm: nn::layer_norm(cfg.hidden_size, cfg.layer_norm_eps, v.pp("layernorm"))?,
             classifier: nn::linear(cfg.hidden_size, num_labels, vb.pp("classifier"))?,
+            runner: None,
         })
+    }
+
+    /// Runs each encoder layer through `runner` (gradient checkpointing per layer: see
+    /// [`super::BlockRunner`]); `None` runs them plainly.
+    pub fn set_block_runner(&mut self, runner: Option<super::BlockRunner>) {
+        self.runner = runner;
     }
 }
 
@@ -270,8 +288,14 @@ impl Module for Model {
     /// The logits `(b, num_labels)` of `images` `(b, num_channels, image_size, image_size)`.
     fn forward(&self, images: &Tensor) -> Result<Tensor> {
         let mut x = self.embeddings.forward(images)?;
-        for layer in &self.layers {
-            x = layer.forward(&x)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = match &self.runner {
+                None => layer.forward(&x)?,
+                Some(run) => {
+                    let layer = layer.clone();
+                    run(i, std::sync::Arc::new(move |x: &Tensor| layer.forward(x)), &x)?
+                }
+            };
         }
         let cls = x.narrow(1, 0, 1)?.squeeze(1)?;
         self.classifier.forward(&self.layernorm.forward(&cls)?)

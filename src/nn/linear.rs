@@ -16,6 +16,9 @@ pub enum Activation {
     Relu,
     /// GELU in the erf form, as [`crate::ops::gelu`] (in f32 under autocast).
     Gelu,
+    /// GELU in the tanh form (PyTorch's `approximate="tanh"`, candle's `gelu`, Hugging Face's
+    /// `gelu_new`/`gelu_pytorch_tanh`), as [`crate::ops::gelu_tanh`] (in f32 under autocast).
+    GeluTanh,
 }
 
 /// A linear layer `x w^T + b` that runs in half under autocast, optionally followed by an
@@ -41,8 +44,8 @@ impl Linear {
     }
 
     /// The layer followed by `activation`: `forward` returns `activation(x w^T + b)`, the same
-    /// values and gradients, bit for bit, as applying [`crate::ops::relu`] or
-    /// [`crate::ops::gelu`] to the plain layer's output (Apex's `FusedDense` with its
+    /// values and gradients, bit for bit, as applying [`crate::ops::relu`],
+    /// [`crate::ops::gelu`] or [`crate::ops::gelu_tanh`] to the plain layer's output (Apex's `FusedDense` with its
     /// activation). Inside a run, with half values on the CPU, the activation runs inside the
     /// layer's node, so the pre-activation is never a half tensor of candle's graph (whose
     /// backward would accumulate its gradient in half, slowly on the CPU); GELU under autocast
@@ -106,6 +109,7 @@ impl Module for Linear {
             let act = self.activation.map(|a| match a {
                 Activation::Relu => Act::Relu,
                 Activation::Gelu => Act::Gelu,
+                Activation::GeluTanh => Act::GeluTanh,
             });
             fused::linear_layer_act(x, &self.weight, self.bias.as_ref(), act)
         })

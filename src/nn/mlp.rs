@@ -59,6 +59,7 @@ impl Mlp {
                 let act = l.activation().map(|a| match a {
                     Activation::Relu => Act::Relu,
                     Activation::Gelu => Act::Gelu,
+                    Activation::GeluTanh => Act::GeluTanh,
                 });
                 (l.weight(), l.bias(), act)
             })

@@ -34,6 +34,7 @@ mod conv;
 mod dropout;
 mod gated_mlp;
 mod linear;
+mod lm_head;
 mod mlp;
 mod norm;
 mod residual;
@@ -47,10 +48,11 @@ pub use conv::{Conv1d, Conv2d, ConvTranspose2d, conv_transpose2d, conv1d, conv2d
 pub use dropout::Dropout;
 pub use gated_mlp::{GateActivation, GatedMlp, gated_mlp};
 pub use linear::{Activation, Embedding, Linear, embedding, linear, linear_no_bias};
+pub use lm_head::linear_cross_entropy;
 pub use mlp::Mlp;
 pub use norm::{GroupNorm, LayerNorm, RmsNorm, group_norm, layer_norm, rms_norm};
-pub use residual::{Residual, ResidualBody};
-pub use self_attention::{SelfAttention, self_attention};
+pub use residual::{NormPlacement, Residual, ResidualBody, ResidualNorm};
+pub use self_attention::{RopeLayout, SelfAttention, self_attention};
 
 pub use crate::precision::ops::{log_softmax, softmax};
 

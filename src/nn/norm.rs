@@ -70,6 +70,13 @@ pub struct RmsNorm {
     name: Option<Arc<str>>,
 }
 
+impl RmsNorm {
+    /// The weight and epsilon, for the fused residual sub-layer.
+    pub(crate) fn parts(&self) -> (&Tensor, f64) {
+        (&self.weight, self.eps)
+    }
+}
+
 impl Module for RmsNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         observe::layer(self.name.as_ref(), x, None, |x| {

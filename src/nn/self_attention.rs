@@ -7,6 +7,19 @@ use super::attention::{key_padding_mask, merge_heads, scaled_dot_product_attenti
 use super::linear::{Linear, linear};
 use crate::precision::{fused, ops};
 
+/// The layout of a rotary embedding's tables ([`SelfAttention::rope_layout`]): which pairs
+/// of a head's values rotate together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RopeLayout {
+    /// candle's `rope` (candle-transformers' Llama, Hugging Face's `rotate_half`): the two
+    /// halves, `(x[i], x[i + d/2])`; tables `(max_positions, d_head)`, each row's halves equal.
+    Halves,
+    /// candle's `rope_i` (GPT-J, Meta's original Llama checkpoints): neighbours,
+    /// `(x[2i], x[2i+1])`; tables `(max_positions, d_head / 2)`.
+    Interleaved,
+}
+
 /// Multi-head self-attention `o(softmax(q k^T / sqrt(d_head) + mask) v)` over `x` of shape
 /// `(batch, positions, width)`, with the query, key, value and output projections as
 /// [`Linear`] layers: Transformer Engine's `MultiheadAttention`, Apex's fast multi-head
@@ -49,7 +62,11 @@ use crate::precision::{fused, ops};
 ///   tables `cos`, `sin` of shape `(max_positions, d_head)`, each row's two halves equal (the
 ///   layout candle-transformers' Llama builds), applied to the queries and keys of head width
 ///   `d_head` as candle's `rope`: with `x1`, `x2` the halves,
-///   `[x1 cos - x2 sin, x2 cos + x1 sin]`, in f32, the result in the queries' type;
+///   `[x1 cos - x2 sin, x2 cos + x1 sin]`, in f32, the result in the queries' type; or
+///   ([`Self::with_rope_interleaved`]) candle's `rope_i` layout, tables `(max_positions,
+///   d_head / 2)` rotating the pairs `(x[2i], x[2i+1])` by `cos[i]`, `sin[i]` (GPT-J's,
+///   and Mistral's or Llama's original checkpoints'): the tables' width is the layout
+///   ([`RopeLayout`]), in a call's tables too;
 /// - **key padding by lengths** ([`Self::forward_masked`]): keys at or past `lengths[i]` get
 ///   exactly 0 probability in sequence `i` (with the causal mask too); lengths past the
 ///   sequence count as its length. A query with no live key (a length of 0) gets an
@@ -142,6 +159,52 @@ impl SelfAttention {
         Ok(self)
     }
 
+    /// A rotary embedding in candle's `rope_i` (interleaved) layout, with candle's tables
+    /// for it: `cos`, `sin` of shape `(max_positions, d_head / 2)` (any float type, kept in
+    /// f32). Each pair `(x[2i], x[2i+1])` of a query or key head becomes
+    /// `(x[2i] cos[i] - x[2i+1] sin[i], x[2i] sin[i] + x[2i+1] cos[i])`, as
+    /// `candle_nn::rotary_emb::rope_i` computes it. An error when the shapes differ or do not
+    /// match half the head width, or that width is odd.
+    ///
+    /// ```
+    /// use candle_amp::nn::{Linear, RopeLayout, SelfAttention};
+    /// use candle_core::{DType, Device, Module, Tensor};
+    /// # fn main() -> candle_core::Result<()> {
+    /// let dev = Device::Cpu;
+    /// let p = || Linear::new(Tensor::eye(4, DType::F32, &dev).unwrap(), None);
+    /// let (cos, sin) = (Tensor::ones((8, 1), DType::F32, &dev)?, Tensor::zeros((8, 1), DType::F32, &dev)?);
+    /// let attn = SelfAttention::new(p(), p(), p(), p(), 2, true)?.with_rope_interleaved(&cos, &sin)?;
+    /// assert_eq!(attn.rope_layout(), Some(RopeLayout::Interleaved));
+    /// let y = attn.forward(&Tensor::ones((1, 3, 4), DType::F32, &dev)?)?;
+    /// assert_eq!(y.dims(), &[1, 3, 4]);
+    /// # Ok(()) }
+    /// ```
+    pub fn with_rope_interleaved(mut self, cos: &Tensor, sin: &Tensor) -> Result<Self> {
+        let dk = self.head_dim();
+        if cos.dims() != sin.dims() || cos.rank() != 2 || cos.dim(1)? * 2 != dk || !dk.is_multiple_of(2) {
+            candle_core::bail!(
+                "SelfAttention: interleaved rotary tables {:?} and {:?} for an even head width {dk}: \
+                 (max_positions, {}) each",
+                cos.dims(),
+                sin.dims(),
+                dk / 2
+            )
+        }
+        let f = |t: &Tensor| crate::kernels::cast(&t.detach(), candle_core::DType::F32);
+        self.rope = Some((f(cos)?, f(sin)?));
+        Ok(self)
+    }
+
+    /// The layout of the module's rotary tables, if it has them.
+    pub fn rope_layout(&self) -> Option<RopeLayout> {
+        let (c, _) = self.rope.as_ref()?;
+        Some(if c.dim(1).ok()? == self.head_dim() {
+            RopeLayout::Halves
+        } else {
+            RopeLayout::Interleaved
+        })
+    }
+
     /// The query, key, value and output projections.
     pub fn projections(&self) -> [&Linear; 4] {
         [&self.q, &self.k, &self.v, &self.o]
@@ -188,24 +251,7 @@ impl SelfAttention {
         rope: Option<(&Tensor, &Tensor)>,
         lengths: Option<&[usize]>,
     ) -> Result<Tensor> {
-        let (b, t, _) = x.dims3()?;
-        let rope = rope.or(self.rope());
-        if let Some((c, s)) = rope {
-            let dk = self.head_dim();
-            if c.rank() != 2 || c.dims() != s.dims() || c.dim(0)? < t || c.dim(1)? != dk {
-                candle_core::bail!(
-                    "SelfAttention: rotary tables {:?} do not cover {t} positions of head width {dk}",
-                    c.dims()
-                )
-            }
-        }
-        let lengths: Option<Vec<usize>> = match lengths {
-            Some(l) if l.len() != b => {
-                candle_core::bail!("SelfAttention: {} key lengths for a batch of {b}", l.len())
-            }
-            Some(l) => Some(l.iter().map(|&n| n.min(t)).collect()),
-            None => None,
-        };
+        let (rope, lengths) = self.call_options(x, rope, lengths)?;
         fn p(l: &Linear) -> (&Tensor, Option<&Tensor>) {
             (l.weight(), l.bias())
         }
@@ -221,19 +267,56 @@ impl SelfAttention {
         self.unfused(x, rope, lengths.as_deref())
     }
 
-    /// The body of a fused `nn::Residual` (the module's own tables, no lengths).
-    pub(crate) fn body_spec(&self) -> fused::BodySpec<'_> {
+    /// The tables of a call over `x` (the call's, else the module's), checked to cover its
+    /// positions, and its key lengths, checked against its batch and clipped to its positions.
+    fn call_options<'a>(
+        &'a self,
+        x: &Tensor,
+        rope: Option<(&'a Tensor, &'a Tensor)>,
+        lengths: Option<&[usize]>,
+    ) -> Result<CallOptions<'a>> {
+        let (b, t, _) = x.dims3()?;
+        let rope = rope.or(self.rope());
+        if let Some((c, s)) = rope {
+            let dk = self.head_dim();
+            // Full width: the halves layout; half of it: the interleaved one.
+            if c.rank() != 2 || c.dims() != s.dims() || c.dim(0)? < t || (c.dim(1)? != dk && c.dim(1)? * 2 != dk) {
+                candle_core::bail!(
+                    "SelfAttention: rotary tables {:?} do not cover {t} positions of head width {dk}",
+                    c.dims()
+                )
+            }
+        }
+        let lengths: Option<Vec<usize>> = match lengths {
+            Some(l) if l.len() != b => {
+                candle_core::bail!("SelfAttention: {} key lengths for a batch of {b}", l.len())
+            }
+            Some(l) => Some(l.iter().map(|&n| n.min(t)).collect()),
+            None => None,
+        };
+        Ok((rope, lengths))
+    }
+
+    /// The body of a fused `nn::Residual` over `x` with [`Self::forward_with`]'s tables and
+    /// lengths (checked as there).
+    pub(crate) fn body_spec_with(
+        &self,
+        x: &Tensor,
+        rope: Option<(&Tensor, &Tensor)>,
+        lengths: Option<&[usize]>,
+    ) -> Result<fused::BodySpec<'_>> {
+        let (rope, lengths) = self.call_options(x, rope, lengths)?;
         let [q, k, v, o] = self.projections().map(|l| (l.weight(), l.bias()));
-        fused::BodySpec::Attention {
+        Ok(fused::BodySpec::Attention {
             proj: [q, k, v, o],
             heads: self.heads,
             causal: self.causal,
             opts: fused::AttentionOptions {
                 kv_heads: self.kv_heads,
-                rope: self.rope.clone(),
-                lengths: None,
+                rope: rope.map(|(c, s)| (c.clone(), s.clone())),
+                lengths: lengths.as_deref().map(Into::into),
             },
-        }
+        })
     }
 
     /// The unfused layers (what runs where the fused node does not apply).
@@ -264,6 +347,9 @@ impl SelfAttention {
     }
 }
 
+/// One call's rotary tables and key lengths (see `SelfAttention::call_options`).
+type CallOptions<'a> = (Option<(&'a Tensor, &'a Tensor)>, Option<Vec<usize>>);
+
 impl Module for SelfAttention {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.forward_with(x, None, None)
@@ -280,14 +366,30 @@ fn rotate_half(x: &Tensor) -> Result<Tensor> {
 
 /// `x cos + rotate_half(x) sin` over `x` `(b, heads, t, head_dim)`, computed in f32 (f64
 /// stays f64) and returned in `x`'s type: candle-nn's `rope` (the same rotation) has no
-/// backward.
+/// backward. Tables of width `head_dim / 2`: candle's `rope_i` instead ([`rope_i_ops`]).
 pub(crate) fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let dt = x.dtype();
     let wide = if dt == DType::F64 { DType::F64 } else { DType::F32 };
     let xw = crate::kernels::cast(x, wide)?;
     let (cos, sin) = (cos.to_dtype(wide)?, sin.to_dtype(wide)?);
-    let y = ops::add(&ops::mul(&xw, &cos)?, &ops::mul(&rotate_half(&xw)?, &sin)?)?;
+    let y = if cos.dim(D::Minus1)? * 2 == x.dim(D::Minus1)? {
+        rope_i_ops(&xw, &cos, &sin)?
+    } else {
+        ops::add(&ops::mul(&xw, &cos)?, &ops::mul(&rotate_half(&xw)?, &sin)?)?
+    };
     crate::kernels::cast(&y, dt)
+}
+
+/// candle's `rope_i` as differentiable ops over `x` `(b, heads, t, d)` and tables
+/// `(t, d/2)`: each pair `(x0, x1) = (x[2i], x[2i+1])` becomes
+/// `(x0 cos - x1 sin, x0 sin + x1 cos)`.
+fn rope_i_ops(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (b, h, t, d) = x.dims4()?;
+    let p = x.reshape((b, h, t, d / 2, 2))?;
+    let (x0, x1) = (p.narrow(4, 0, 1)?.squeeze(4)?, p.narrow(4, 1, 1)?.squeeze(4)?);
+    let y0 = ops::sub(&ops::mul(&x0, cos)?, &ops::mul(&x1, sin)?)?;
+    let y1 = ops::add(&ops::mul(&x0, sin)?, &ops::mul(&x1, cos)?)?;
+    Tensor::stack(&[&y0, &y1], 4)?.reshape((b, h, t, d))
 }
 
 /// Each of `x`'s `(b, kv_heads, t, d)` heads repeated `n` times in place (head `j` of the

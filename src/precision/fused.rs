@@ -9,8 +9,9 @@ use candle_core::{DType, Result, Tensor};
 
 use super::autocast;
 use super::observe::op as rec;
-use super::ops::{gelu, prepare, relu};
+use super::ops::{gelu, gelu_tanh, prepare, relu};
 use crate::kernels;
+pub(crate) use crate::kernels::residual::Placement;
 use crate::kernels::wgrad::Act;
 use crate::precision::stash::GradStash;
 
@@ -38,7 +39,7 @@ pub(crate) fn linear_layer_act(x: &Tensor, w: &Tensor, b: Option<&Tensor>, act: 
     }
     let (xs, _) = prepare("linear", &args)?;
     let fused = match act {
-        Some(Act::Gelu) if autocast::is_enabled() => None,
+        Some(Act::Gelu | Act::GeluTanh) if autocast::is_enabled() => None,
         a => a,
     };
     if let Some(y) = wgrad_linear(&xs, w, b, fused)? {
@@ -159,13 +160,17 @@ fn is_half(t: &Tensor) -> bool {
 /// backward rounds `g * gelu'(x)` once, as the cast's backward does), so it fuses; on the
 /// last layer the output's type would differ, so the chain runs layer by layer.
 fn gelu_last_under_autocast(layers: &[(&Tensor, Option<&Tensor>, Option<Act>)]) -> bool {
-    autocast::is_enabled() && layers.last().is_some_and(|l| l.2 == Some(Act::Gelu))
+    autocast::is_enabled()
+        && layers
+            .last()
+            .is_some_and(|l| matches!(l.2, Some(Act::Gelu | Act::GeluTanh)))
 }
 
 fn apply_act(y: &Tensor, act: Act) -> Result<Tensor> {
     match act {
         Act::Relu => relu(y),
         Act::Gelu => gelu(y),
+        Act::GeluTanh => gelu_tanh(y),
     }
 }
 
@@ -280,14 +285,25 @@ pub(crate) enum BodySpec<'a> {
     },
 }
 
-/// `x + dropout(body(layer_norm(x)))` as one node of the run
-/// ([`kernels::residual`](crate::kernels::residual)), or `None` where that does not apply and
-/// the caller runs the unfused ops with the same `mask` (f32, `None`: no dropout): where the
-/// body's own fused node does not apply ([`self_attention`], [`linear_chain`]), or a norm
-/// parameter is not the run's.
+/// A fused residual sub-layer's norm (`nn::Residual`'s): weight, bias, epsilon, and
+/// whether it removes the mean (a layer norm; else an RMS norm without bias).
+pub(crate) struct ResidualNorm<'a> {
+    pub w: Option<&'a Tensor>,
+    pub b: Option<&'a Tensor>,
+    pub eps: f64,
+    pub center: bool,
+}
+
+/// A residual sub-layer as one node of the run ([`kernels::residual`](crate::kernels::residual)):
+/// pre-norm `x + dropout(body(norm(x)))`, post-norm `norm(x + dropout(body(x)))`, the norm
+/// computed as [`super::ops::layer_norm`] or [`super::ops::rms_norm`] computes it. `None`
+/// where that does not apply and the caller runs the unfused ops with the same `mask` (f32,
+/// `None`: no dropout): where the body's own fused node does not apply ([`self_attention`],
+/// [`linear_chain`], [`gated_mlp`]), or a norm parameter is not the run's.
 pub(crate) fn residual(
     x: &Tensor,
-    norm: (Option<&Tensor>, Option<&Tensor>, f64),
+    norm: ResidualNorm<'_>,
+    placement: kernels::residual::Placement,
     body: BodySpec<'_>,
     mask: Option<&Tensor>,
 ) -> Result<Option<Tensor>> {
@@ -297,7 +313,13 @@ pub(crate) fn residual(
     let Some(stash) = autocast::run_stash() else {
         return Ok(None);
     };
-    let (w, b, eps) = norm;
+    // A body that computes in f32 (O0) has no fused node: known from the input's type, before
+    // the norm runs for nothing (a pre-norm body's input has the input's type or, under
+    // autocast, is cast to half as the input would be).
+    if super::ops::prepared_type("linear", &[x.dtype()]) == Some(DType::F32) {
+        return Ok(None);
+    }
+    let ResidualNorm { w, b, eps, center } = norm;
     let key = |p: Option<&Tensor>| match p {
         None => Some(None),
         Some(p) => stash.trains(p).map(|t| t.then(|| p.clone())),
@@ -311,9 +333,15 @@ pub(crate) fn residual(
         w_key: w_key.as_ref(),
         b_key: b_key.as_ref(),
         eps,
+        center,
     };
-    let (xn, _) = prepare("layer_norm", &[x])?;
+    // The norm's input as its op casts it (f32 under autocast).
+    let op = if center { "layer_norm" } else { "rms_norm" };
+    let prep = |t: &Tensor| Ok(prepare(op, &[t])?.0.swap_remove(0));
     let sink: std::sync::Arc<dyn kernels::wgrad::GradSink> = stash.clone();
+    let run = |build: &dyn Fn(&Tensor) -> Result<Option<kernels::residual::Body>>| {
+        kernels::residual::residual(x, spec, placement, prep, build, mask, stash.clone())
+    };
     match body {
         BodySpec::Chain(layers) => {
             if gelu_last_under_autocast(layers) {
@@ -323,15 +351,14 @@ pub(crate) fn residual(
                 return Ok(None);
             };
             let chain = chain_layers(&prepared);
-            let build = |h: &Tensor| {
+            run(&|h: &Tensor| {
                 let (hs, _) = prepare("linear", &[h])?;
                 if !is_half(&hs[0]) {
                     return Ok(None);
                 }
                 let node = kernels::chain::build(&hs[0], &chain, sink.clone(), true)?;
                 Ok(node.map(kernels::residual::Body::Chain))
-            };
-            kernels::residual::residual(x, &xn[0], spec, build, mask, stash)
+            })
         }
         BodySpec::Attention {
             proj,
@@ -344,7 +371,7 @@ pub(crate) fn residual(
                 return Ok(None);
             };
             let layers = chain_layers(&prepared);
-            let build = |h: &Tensor| {
+            run(&|h: &Tensor| {
                 let (hs, _) = prepare("linear", &[h])?;
                 if !is_half(&hs[0]) {
                     return Ok(None);
@@ -354,8 +381,7 @@ pub(crate) fn residual(
                 let node =
                     kernels::attention::build(input, layers, attention_spec(heads, causal, &opts), sink.clone(), true)?;
                 Ok(node.map(|n| kernels::residual::Body::Attention(Box::new(n))))
-            };
-            kernels::residual::residual(x, &xn[0], spec, build, mask, stash)
+            })
         }
         BodySpec::Gated { proj, act } => {
             let proj = proj.map(|(w, b)| (w, b, None));
@@ -363,7 +389,7 @@ pub(crate) fn residual(
                 return Ok(None);
             };
             let layers = chain_layers(&prepared);
-            let build = |h: &Tensor| {
+            run(&|h: &Tensor| {
                 let (hs, _) = prepare("linear", &[h])?;
                 if !is_half(&hs[0]) || !gated_in_half(hs[0].dtype(), act) {
                     return Ok(None);
@@ -372,8 +398,7 @@ pub(crate) fn residual(
                 let layers = [&layers[0], &layers[1], &layers[2]];
                 let node = kernels::gated::build(input, layers, act, sink.clone(), true)?;
                 Ok(node.map(|n| kernels::residual::Body::Gated(Box::new(n))))
-            };
-            kernels::residual::residual(x, &xn[0], spec, build, mask, stash)
+            })
         }
     }
 }

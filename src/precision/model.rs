@@ -67,6 +67,33 @@ impl<M> AmpModel<M> {
         (!self.policy.transparent).then(|| self.policy.enter())
     }
 
+    /// Runs `f` on the wrapped model inside the run's scope, as [`forward`](Self::forward)
+    /// runs the model's `forward`: for a model's other entry points, such as
+    /// [`Llama::loss`](crate::models::llama::Llama::loss) (the head fused with the loss).
+    /// Autocast at O1; at every level the run's fused nodes apply inside (called through
+    /// [`inner`](Self::inner) instead, the same method computes the same values but unfused,
+    /// as outside a run). Inputs and outputs are not cast: `f` gets and returns what it
+    /// is given.
+    ///
+    /// ```
+    /// use candle_amp::{Amp, OptLevel, ops};
+    /// use candle_core::{DType, Device, Tensor};
+    /// # fn main() -> anyhow::Result<()> {
+    /// let run = Amp::new(OptLevel::O1, &Device::Cpu)?;
+    /// let model = run.model(|vb| vb.get((2, 2), "w"))?;
+    /// let x = Tensor::ones((1, 2), DType::F32, &Device::Cpu)?;
+    /// // In the run's scope, O1's autocast runs the product in half...
+    /// let y = model.call(|w| ops::matmul(&x, &w.t()?))?;
+    /// assert_eq!(y.dtype(), DType::F16);
+    /// // ...outside it, in f32.
+    /// assert_eq!(ops::matmul(&x, &model.inner().t()?)?.dtype(), DType::F32);
+    /// # Ok(()) }
+    /// ```
+    pub fn call<R>(&self, f: impl FnOnce(&M) -> R) -> R {
+        let _scope = self.policy.enter();
+        f(&self.inner)
+    }
+
     /// The wrapped model.
     pub fn inner(&self) -> &M {
         &self.inner

@@ -265,19 +265,20 @@ impl Fwd {
 
 type Grads = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
 
-/// A layer norm's backward for a fused node that holds the norm (`kernels::residual`): `dx`
-/// in `x`'s type where `want_x`, and `[Σ dy x̂, Σ dy]` (f32, `(2, n)`) where `want_wb`,
-/// computed as the norm's own backward computes them; `x`, `w`, `dy` dense.
-pub(super) fn layer_norm_bwd(
+/// A layer norm's (`center`) or RMS norm's backward for a fused node that holds the norm
+/// (`kernels::residual`): `dx` in `x`'s type where `want_x`, and `[Σ dy x̂, Σ dy]` (f32,
+/// `(2, n)`) where `want_wb`, computed as the norm's own backward computes them; `x`, `w`,
+/// `dy` dense.
+pub(super) fn norm_bwd(
     x: &Tensor,
     w: Option<&Tensor>,
     dy: &Tensor,
-    eps: f64,
+    (eps, center): (f64, bool),
     want: (bool, bool),
 ) -> Result<(Option<Tensor>, Option<Tensor>)> {
     let norm = Norm {
         eps: eps as f32,
-        center: true,
+        center,
     };
     let dx = match (want.0, w) {
         (false, _) => None,
