@@ -3,7 +3,7 @@
 //! and, for O0 and O2 bf16, on the plain candle path (`kernels::plain`, unfused AdamW).
 //! Compare the lines as ratios from one run. At this small size the step is dominated by
 //! per-op overhead, not arithmetic; the bench example's 64-1024-1024-10 MLP is the one the
-//! README's targets are measured on. Per-kernel benchmarks: `benches/kernels.rs`.
+//! targets of `docs/performance.md` are measured on. Per-kernel benchmarks: `benches/kernels.rs`.
 
 use candle_amp::kernels;
 use candle_amp::nn::{Linear, linear};

@@ -32,7 +32,7 @@
 //! `CANDLE_AMP_FORCE_DEVICE_PATH=1` forces on the CPU), `device_path`, `param_bytes` (working
 //! parameters plus f32 masters), `transformer_step_ms`, `memory_transformer_step_ms`,
 //! `transformer_mid_step_ms` and `peak_mb`. `targets` holds the
-//! README's targets as `{name, ratio, rule, limit, met}`; missed ones print as `MISS`.
+//! The targets (`docs/performance.md`) as `{name, ratio, rule, limit, met}`; missed ones print as `MISS`.
 //!
 //! `--threads N` sets candle's and rayon's thread count (default 1); `--quick` shrinks
 //! everything for a smoke test; `--isa TIER` caps the kernels at a tier (at most the

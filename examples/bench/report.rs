@@ -112,7 +112,7 @@ const MODELS: [(&str, &str); 4] = [
     ("mid", "transformer_mid_step_ms"),
 ];
 
-/// The README's targets as ratios from this run: `{name, ratio, rule, limit, met}`, where
+/// The targets (`docs/performance.md`) as ratios from this run: `{name, ratio, rule, limit, met}`, where
 /// `rule` is `"<="`, `"<"` or `">="` (the ratio against the limit). The PyTorch ones appear
 /// only with `--torch`.
 pub fn targets(o: &Value) -> Value {

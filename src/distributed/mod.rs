@@ -14,7 +14,7 @@
 //! * [`DistributedSampler`]: disjoint per-rank shards, reshuffled per epoch from a shared
 //!   seed.
 //!
-//! `examples/ddp` trains the digits MLP this way; README's "Data parallel" section shows how
+//! `examples/ddp` trains the digits MLP this way; `docs/distributed.md` shows how
 //! to launch it on one machine and on several.
 
 mod counted;

@@ -204,8 +204,8 @@ impl Recording {
 /// a loader drawing from `amp.generator("data")` on another thread during a backward gets
 /// the draws it would get without checkpointing. Draws a segment makes on threads of its
 /// own are not replayed. Batch norm inside a segment updates its running statistics once,
-/// in the first forward. On devices other than the CPU the blocks run without
-/// checkpointing for now (logged once).
+/// in the first forward. On devices other than the CPU and CUDA (feature `cuda`) the blocks
+/// run without checkpointing (logged once).
 ///
 /// ```
 /// use candle_amp::{self as amp, recompute::Recompute, AmpConfig, LossScaleSpec, OptLevel};

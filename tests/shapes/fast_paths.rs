@@ -3,7 +3,7 @@
 //! argument laid out any way (contiguous, transposed, narrowed, row-strided, element-strided,
 //! broadcast) and empty dimensions anywhere, last ones included.
 //!
-//! The property (the README's promise): the two paths agree. Both give a result, equal within
+//! The property (`docs/getting-started.md`'s promise, "Every shape"): the two paths agree. Both give a result, equal within
 //! the type's rounding (the fast path rounds once, the fallback per op), with gradients equal
 //! too; or both fail. A fallback that panics (candle's) leaves nothing to compare.
 //!

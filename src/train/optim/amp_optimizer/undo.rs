@@ -2,7 +2,7 @@
 //!
 //! A sharded rank applies its own shard's update and then all-gathers the updated working
 //! weights. When a peer stops before that gather, the step must count as not taken on this
-//! rank either (README's "nothing applied"), but the algorithm has already written the
+//! rank either (`docs/distributed.md`'s "nothing applied"), but the algorithm has already written the
 //! shard's masters, working copies and state. The update cannot be computed out of place
 //! without changing every algorithm (the fused CPU passes write in place), so the step keeps
 //! a copy of what it overwrites, and restores it if the gather fails. The copy is of this
