@@ -158,54 +158,42 @@ fn pack_b(b: &Mat<'_, bf16>, k: usize, k0: usize, kp: usize, n0: usize, nc: usiz
         let base = s * kp * NR;
         let cols = NR.min(nc - s * NR);
         let c0 = n0 + s * NR;
-        if b.cs == 1 {
+        // The depth pairs a contiguous path wrote; the element path does the rest.
+        let done = if b.cs == 1 && full > 0 {
             // Rows are contiguous: each depth pair interleaves two row slices.
-            if full > 0 {
-                let first = b.off + k0 * b.rs + c0;
-                let last = first + (2 * full - 1) * b.rs + cols;
-                // SAFETY: the slice holds rows k0..k0+2*full of the strip's columns; `out`
-                // holds the strip; the caller checked AVX-512 BF16 (F, BW and VL with it).
-                unsafe {
-                    interleave(
-                        &b.data[first..last],
-                        b.rs,
-                        cols,
-                        full,
-                        &mut out[base..base + kp * NR],
-                        NR,
-                    )
-                }
+            let first = b.off + k0 * b.rs + c0;
+            let last = first + (2 * full - 1) * b.rs + cols;
+            // SAFETY: the slice holds rows k0..k0+2*full of the strip's columns; `out`
+            // holds the strip; the caller checked AVX-512 BF16 (F, BW and VL with it).
+            unsafe {
+                interleave(
+                    &b.data[first..last],
+                    b.rs,
+                    cols,
+                    full,
+                    &mut out[base..base + kp * NR],
+                    NR,
+                )
             }
-        } else if b.rs == 1 {
+            full
+        } else if let (1, Some(col_bytes), true) = (b.rs, lane_bytes(b.cs), full > 0) {
             // Columns are contiguous: a depth pair of one column is two neighbours, one
             // word; a strip's pair is two gathers of 16 columns' words.
-            match lane_bytes(b.cs) {
-                Some(col_bytes) if full > 0 => {
-                    for j0 in (0..cols).step_by(16) {
-                        let lanes = 16.min(cols - j0);
-                        let first = b.off + (c0 + j0) * b.cs + k0;
-                        let last = b.off + (c0 + j0 + lanes - 1) * b.cs + k0 + 2 * full;
-                        let dst = &mut out[base + j0..base + kp * NR];
-                        // SAFETY: column j0+i's pair p, at byte 2*(i*cs + 2p) of the slice,
-                        // lies inside it (the last is column j0+lanes-1's pair full-1);
-                        // `dst` holds (full-1)*NR + lanes words; the caller checked AVX-512.
-                        unsafe { gather_words(&b.data[first..last], col_bytes, lanes, full, dst, NR) }
-                    }
-                }
-                _ => {
-                    for j in 0..cols {
-                        let c = b.off + (c0 + j) * b.cs + k0;
-                        for (p, two) in b.data[c..c + 2 * full].chunks_exact(2).enumerate() {
-                            out[base + p * NR + j] = pair(two[0], two[1]);
-                        }
-                    }
-                }
+            for j0 in (0..cols).step_by(16) {
+                let lanes = 16.min(cols - j0);
+                let first = b.off + (c0 + j0) * b.cs + k0;
+                let last = b.off + (c0 + j0 + lanes - 1) * b.cs + k0 + 2 * full;
+                let dst = &mut out[base + j0..base + kp * NR];
+                // SAFETY: column j0+i's pair p, at byte 2*(i*cs + 2p) of the slice, lies
+                // inside it (the last is column j0+lanes-1's pair full-1); `dst` holds
+                // (full-1)*NR + lanes words; the caller checked AVX-512.
+                unsafe { gather_words(&b.data[first..last], col_bytes, lanes, full, dst, NR) }
             }
+            full
         } else {
-            pack_b_elements(b, k, k0, 0, kp, c0, cols, &mut out[base..base + kp * NR]);
-            continue;
-        }
-        pack_b_elements(b, k, k0, full, kp, c0, cols, &mut out[base..base + kp * NR]);
+            0
+        };
+        pack_b_elements(b, k, k0, done, kp, c0, cols, &mut out[base..base + kp * NR]);
     }
 }
 
@@ -247,55 +235,42 @@ fn pack_a(a: &Mat<'_, bf16>, k: usize, m0: usize, mc: usize, k0: usize, kp: usiz
         let base = q * kp * MR;
         let rows = MR.min(mc - q * MR);
         let r0 = m0 + q * MR;
-        if a.cs == 1 {
+        // The depth pairs a contiguous path wrote; the element path does the rest.
+        let done = if let (1, Some(row_bytes), true) = (a.cs, lane_bytes(a.rs), full > 0) {
             // Rows are contiguous: a depth pair of one row is two neighbours, one 32-bit
             // word. A panel's pair is one gather of the rows' words: word by word, with
             // the panel's stride between writes, the copy cost a third of the products it
             // feeds (measured on Zen 4).
             let first = a.off + r0 * a.rs + k0;
             let last = a.off + (r0 + rows - 1) * a.rs + k0 + 2 * full;
-            match lane_bytes(a.rs) {
-                Some(row_bytes) if full > 0 => {
-                    let src = &a.data[first..last];
-                    let dst = &mut out[base..base + full * MR];
-                    // SAFETY: every word gathered, row i's pair p at byte 2*(i*rs + 2p) of
-                    // `src`, lies inside `src` (its last is row rows-1's pair full-1, and
-                    // `src` ends after it); `dst` holds full*MR words; the CPU has AVX-512
-                    // (the caller checked AVX-512 BF16).
-                    unsafe { gather_words(src, row_bytes, rows, full, dst, MR) }
-                }
-                _ => {
-                    for i in 0..rows {
-                        let r = a.off + (r0 + i) * a.rs + k0;
-                        for (p, two) in a.data[r..r + 2 * full].chunks_exact(2).enumerate() {
-                            out[base + p * MR + i] = pair(two[0], two[1]);
-                        }
-                    }
-                }
-            }
-        } else if a.rs == 1 {
+            let dst = &mut out[base..base + full * MR];
+            // SAFETY: every word gathered, row i's pair p at byte 2*(i*rs + 2p) of the
+            // slice, lies inside it (its last is row rows-1's pair full-1, and the slice ends
+            // after it); `dst` holds full*MR words; the CPU has AVX-512 (the caller checked
+            // AVX-512 BF16).
+            unsafe { gather_words(&a.data[first..last], row_bytes, rows, full, dst, MR) }
+            full
+        } else if a.rs == 1 && full > 0 {
             // Columns are contiguous: each depth pair interleaves two column slices.
-            if full > 0 {
-                let first = a.off + k0 * a.cs + r0;
-                let last = first + (2 * full - 1) * a.cs + rows;
-                // SAFETY: the slice holds columns k0..k0+2*full of the panel's rows; `out`
-                // holds the panel; the caller checked AVX-512 BF16 (F, BW and VL with it).
-                unsafe {
-                    interleave(
-                        &a.data[first..last],
-                        a.cs,
-                        rows,
-                        full,
-                        &mut out[base..base + kp * MR],
-                        MR,
-                    )
-                }
+            let first = a.off + k0 * a.cs + r0;
+            let last = first + (2 * full - 1) * a.cs + rows;
+            // SAFETY: the slice holds columns k0..k0+2*full of the panel's rows; `out`
+            // holds the panel; the caller checked AVX-512 BF16 (F, BW and VL with it).
+            unsafe {
+                interleave(
+                    &a.data[first..last],
+                    a.cs,
+                    rows,
+                    full,
+                    &mut out[base..base + kp * MR],
+                    MR,
+                )
             }
+            full
         } else {
-            pack_a_elements(a, k, 0, kp, k0, r0, rows, &mut out[base..base + kp * MR]);
-            continue;
-        }
-        pack_a_elements(a, k, full, kp, k0, r0, rows, &mut out[base..base + kp * MR]);
+            0
+        };
+        pack_a_elements(a, k, done, kp, k0, r0, rows, &mut out[base..base + kp * MR]);
     }
 }
 

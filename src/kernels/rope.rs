@@ -15,9 +15,17 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
-use half::slice::HalfFloatSliceExt;
 
 use super::dispatch::{Kernel, dispatch};
+use super::simd::Elem;
+use super::slices::{Vx, convert};
+
+/// A half slice widened to f32 (exact), with the crate's per-tier conversion.
+fn widen<T: Elem + Vx>(v: &[T]) -> Vec<f32> {
+    let mut w = vec![0f32; v.len()];
+    convert(v, &mut w);
+    w
+}
 
 /// Which way the rotation runs.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -147,16 +155,8 @@ impl CustomOp1 for Rope {
             .ok_or_else(|| candle_core::Error::Msg("amp-rope: the input must be contiguous".into()))?;
         let x: std::borrow::Cow<'_, [f32]> = match s {
             CpuStorage::F32(v) => std::borrow::Cow::Borrowed(&v[a..e]),
-            CpuStorage::F16(v) => {
-                let mut w = vec![0f32; e - a];
-                v[a..e].convert_to_f32_slice(&mut w);
-                std::borrow::Cow::Owned(w)
-            }
-            CpuStorage::BF16(v) => {
-                let mut w = vec![0f32; e - a];
-                v[a..e].convert_to_f32_slice(&mut w);
-                std::borrow::Cow::Owned(w)
-            }
+            CpuStorage::F16(v) => std::borrow::Cow::Owned(widen(&v[a..e])),
+            CpuStorage::BF16(v) => std::borrow::Cow::Owned(widen(&v[a..e])),
             other => candle_core::bail!("amp-rope: {:?} input", other.dtype()),
         };
         let mut out = vec![0f32; x.len()];
