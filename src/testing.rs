@@ -87,7 +87,9 @@ pub fn cuda_softmax_loaded(device: &candle_core::Device) -> bool {
 
 /// The launches of the CUDA attention kernels (`src/kernels/cuda/flash.cu`) for `bh` (batch
 /// x heads) matrices of `t` rows of head dimension `d` of `dt`: forward, `Delta`, dK/dV and dQ,
-/// each `(kernel name, grid, block)`, or `None` where the composed ops run instead. `small`
+/// each `(kernel name, grid, block)`, or `None` where the composed ops run instead (`d` not a
+/// multiple of 8 from 8 to 128, among others; the names hold the kernels' own head dimension,
+/// the smallest of 32, 48, 64, 80, 96 and 128 at least `d`, and `d` is their argument). `small`
 /// forces the small (`Some(true)`) or the large tile of the FMA kernels; `None` lets the plan
 /// choose, as on a device with (`tensor_cores`, compute capability 8.0+) or without tensor
 /// cores: the tensor-core kernels for f16 and bf16 there. The tests run the same plan on the
@@ -100,9 +102,24 @@ pub fn cuda_flash_launches(
     small: Option<bool>,
     tensor_cores: bool,
 ) -> Option<[(String, u32, u32); 4]> {
+    cuda_flash_launches_grouped(bh, 1, t, d, dt, small, tensor_cores)
+}
+
+/// [`cuda_flash_launches`] for grouped-query attention: `bh` query matrices, each `group` of
+/// them reading one key/value matrix (the dK/dV pass has a block per key/value matrix and key
+/// tile); `None` also where `group` is 0 or does not divide `bh`.
+pub fn cuda_flash_launches_grouped(
+    bh: usize,
+    group: usize,
+    t: usize,
+    d: usize,
+    dt: candle_core::DType,
+    small: Option<bool>,
+    tensor_cores: bool,
+) -> Option<[(String, u32, u32); 4]> {
     use crate::kernels::cuda::flash::{Tiles, flash_plan};
     let which = small.map(|s| if s { Tiles::Small } else { Tiles::Large });
-    let p = flash_plan(bh, t, d, dt, which, tensor_cores)?;
+    let p = flash_plan(bh, group, t, d, dt, which, tensor_cores)?;
     Some([p.forward, p.pre, p.dkv, p.dq].map(|l| (l.kernel, l.grid, l.block)))
 }
 
@@ -183,7 +200,8 @@ pub fn cuda_multi_tensor_loaded(device: &candle_core::Device) -> bool {
 /// the CPU grid emulator.
 pub mod cuda_rows {
     pub use crate::kernels::cuda::rows::{
-        AddPlan, BiasGeluPlan, ColSumPlan, RowsLaunch, Tiles, add_plan, bias_gelu_plan, colsum_plan, promoted,
+        AddPlan, BiasGeluPlan, ColSumPlan, RowsLaunch, Tiles, add_plan, bias_gelu_plan, bias_gelu_tanh_plan,
+        colsum_plan, promoted,
     };
 }
 
@@ -197,4 +215,82 @@ pub fn cuda_rows_loaded(device: &candle_core::Device) -> bool {
     }
     let _ = device;
     false
+}
+
+/// The CUDA pointwise kernels' launch plans (`src/kernels/cuda/gated.rs`): a gated MLP's
+/// product `act(g) * u` and an activation alone, forward and backward. The tests run the same
+/// plans on the CPU grid emulator.
+pub mod cuda_gated {
+    pub use crate::kernels::cuda::gated::{ActPlan, GatedPlan, PointAct, PointLaunch, act_plan, gated_plan};
+}
+
+/// Whether the CUDA pointwise kernels (`src/kernels/cuda/gated.cu`) are compiled and loaded on
+/// `device` (compiling and loading them if not yet): false off CUDA, without the `cuda`
+/// feature, or where they failed to load.
+pub fn cuda_gated_loaded(device: &candle_core::Device) -> bool {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        return crate::kernels::cuda::gated::available(d);
+    }
+    let _ = device;
+    false
+}
+
+/// The CUDA rotary embedding's launch plan (`src/kernels/cuda/rope.rs`): one kernel each way
+/// per table layout and type. The tests run the same plan on the CPU grid emulator.
+pub mod cuda_rope {
+    pub use crate::kernels::cuda::rope::{RopeLaunch, RopePass, rope_plan, rope_plan_with};
+}
+
+/// Whether the CUDA rotary-embedding kernels (`src/kernels/cuda/rope.cu`) are compiled and
+/// loaded on `device` (compiling and loading them if not yet): false off CUDA, without the
+/// `cuda` feature, or where they failed to load.
+pub fn cuda_rope_loaded(device: &candle_core::Device) -> bool {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        return crate::kernels::cuda::rope::available(d);
+    }
+    let _ = device;
+    false
+}
+
+/// `x` `(b, h, t, d)` rotated by the f32 tables `cos`, `sin` (`(t or more, d)` or `(t or more,
+/// d / 2)`) with the CUDA kernels, differentiable in `x`, as `nn::SelfAttention` applies them;
+/// `None` where they do not apply (see `kernels::cuda::rope::rope`).
+pub fn cuda_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Option<Tensor>> {
+    Ok(crate::kernels::cuda::rope::rope(x, cos, sin)?)
+}
+
+/// The CUDA embedding lookup's launch plan (`src/kernels/cuda/embed.rs`): the gather and the
+/// table's gradient summed in f32. The tests run the same plan on the CPU grid emulator.
+pub mod cuda_embed {
+    pub use crate::kernels::cuda::embed::{EmbedLaunch, EmbedPass, embed_plan, embed_plan_with};
+}
+
+/// Whether the CUDA embedding kernels (`src/kernels/cuda/embed.cu`) are compiled and loaded on
+/// `device` (compiling and loading them if not yet): false off CUDA, without the `cuda`
+/// feature, or where they failed to load.
+pub fn cuda_embed_loaded(device: &candle_core::Device) -> bool {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        return crate::kernels::cuda::embed::available(d);
+    }
+    let _ = device;
+    false
+}
+
+/// The rows of `table` (`(vocab, width)`, f32, f16 or bf16) at `ids` (u32 or i64) with the
+/// CUDA kernels, differentiable in the table, as `nn::Embedding` applies them on CUDA; `None`
+/// where they do not apply (see `kernels::cuda::embed::lookup`).
+pub fn cuda_embedding(ids: &Tensor, table: &Tensor) -> Result<Option<Tensor>> {
+    Ok(crate::kernels::cuda::embed::lookup(ids, table)?)
+}
+
+/// Makes `nn::linear_cross_entropy` on this thread run its CUDA node
+/// (`src/kernels/lm_head_chunked.rs`, written with device-generic tensor ops) on the CPU
+/// device too, with `rows` rows per chunk (at least 1; on CUDA devices too, where the node
+/// runs anyway); `None` switches it back off. The node's per-chunk kernel then runs as its
+/// CPU twin. For the tests that compare the chunked node with the plain ops without a GPU.
+pub fn chunked_lm_head_on_cpu(rows: Option<usize>) {
+    crate::kernels::lm_head_chunked::force_on_cpu(rows);
 }

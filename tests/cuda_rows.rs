@@ -1,4 +1,5 @@
-//! The CUDA row kernels without a GPU: `src/kernels/cuda/rows.cu` (bias + GELU, the add of two
+//! The CUDA row kernels without a GPU: `src/kernels/cuda/rows.cu` (bias + GELU in the erf and
+//! tanh forms, the add of two
 //! float types, column sums), unmodified, built with g++ against the CPU grid emulator
 //! (`tests/cuda_emu/emu.h`) and launched as the library's plan launches them on a GPU, checked
 //! against references computed here in f64 with llm.c's rule: every value within
@@ -12,7 +13,7 @@ mod cuda_emu;
 
 use std::path::Path;
 
-use candle_amp::testing::cuda_rows::{add_plan, bias_gelu_plan, colsum_plan, promoted};
+use candle_amp::testing::cuda_rows::{add_plan, bias_gelu_plan, bias_gelu_tanh_plan, colsum_plan, promoted};
 use candle_core::{DType, Device, Module, Tensor, Var};
 
 use cuda_emu::{atol, decode, encode, eps, values};
@@ -59,6 +60,64 @@ fn gelu(x: f64) -> f64 {
 }
 fn gelu_grad(x: f64) -> f64 {
     cdf(x) + x * pdf(x)
+}
+
+/// `2 √(2/π) (x + 0.044715 x³)`: the tanh form's argument, doubled.
+fn two_v(x: f64) -> f64 {
+    2.0 * (2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)
+}
+/// σ(z) and 1 - σ(z), each without cancellation.
+fn sigmoid(z: f64) -> (f64, f64) {
+    let e = (-z).exp();
+    (1.0 / (1.0 + e), if e.is_infinite() { 1.0 } else { e / (1.0 + e) })
+}
+/// GELU's tanh form as PyTorch writes it, `x/2 (1 + tanh v)`, and its derivative.
+fn gelu_t(x: f64) -> f64 {
+    0.5 * x * (1.0 + (two_v(x) / 2.0).tanh())
+}
+fn gelu_t_grad(x: f64) -> f64 {
+    let t = (two_v(x) / 2.0).tanh();
+    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * (2.0 / std::f64::consts::PI).sqrt() * (1.0 + 3.0 * 0.044715 * x * x)
+}
+
+/// One GELU form's value, derivative and second derivative (the tanh form's by a central
+/// difference: it only sizes an error bound) in f64, and the kernel's own f32 errors of the
+/// value and the derivative at an exact argument (see tests/cuda_gated.rs for the tanh form's).
+struct Form {
+    tanh: bool,
+}
+
+impl Form {
+    fn f(&self, x: f64) -> f64 {
+        if self.tanh { gelu_t(x) } else { gelu(x) }
+    }
+    fn fp(&self, x: f64) -> f64 {
+        if self.tanh { gelu_t_grad(x) } else { gelu_grad(x) }
+    }
+    fn fpp(&self, x: f64) -> f64 {
+        if self.tanh {
+            (gelu_t_grad(x + 1e-5) - gelu_t_grad(x - 1e-5)) / 2e-5
+        } else {
+            pdf(x) * (2.0 - x * x)
+        }
+    }
+    fn f_err(&self, x: f64) -> f64 {
+        if !self.tanh {
+            return gelu(x).abs() * 2e-6;
+        }
+        let z = two_v(x);
+        gelu_t(x).abs() * (sigmoid(z).1 * (z.abs() * 5e-7 + 2.4e-7) + 3e-7)
+    }
+    fn fp_err(&self, x: f64) -> f64 {
+        if !self.tanh {
+            return (cdf(x) + (x * pdf(x)).abs()) * 2e-6;
+        }
+        let z = two_v(x);
+        let (s, r) = sigmoid(z);
+        let dv = (2.0 / std::f64::consts::PI).sqrt() * (1.0 + 3.0 * 0.044715 * x * x);
+        let t2 = (2.0 * x * s * r * dv).abs();
+        s * (r * z.abs() * 5e-7 + 3e-7) + t2 * (z.abs() * 5e-7 + 1e-6) + gelu_t_grad(x).abs() * 1.2e-7
+    }
 }
 
 #[test]
@@ -110,11 +169,20 @@ fn check(what: &str, got: f64, want: f64, bound: f64) {
     assert!(err <= bound, "{what}: {got} vs {want} (error {err:e} > {bound:e})");
 }
 
-/// One bias + GELU, forward and backward, on the emulator against f64; returns the bias
-/// gradient's bytes (for the determinism check).
-fn gelu_case(rows: usize, cols: usize, (th, tb, ty): (DType, DType, DType), seed: u64, dir: &Path) -> Vec<u8> {
-    let p = bias_gelu_plan(rows, cols, th, tb, ty).expect("a plan");
-    let what = format!("{rows}x{cols} h {th:?} bias {tb:?} y {ty:?}");
+/// One bias + GELU (the tanh form where `tanh`), forward and backward, on the emulator
+/// against f64; returns the bias gradient's bytes (for the determinism check).
+fn gelu_case(
+    rows: usize,
+    cols: usize,
+    (th, tb, ty): (DType, DType, DType),
+    tanh: bool,
+    seed: u64,
+    dir: &Path,
+) -> Vec<u8> {
+    let plan = if tanh { bias_gelu_tanh_plan } else { bias_gelu_plan };
+    let p = plan(rows, cols, th, tb, ty).expect("a plan");
+    let form = Form { tanh };
+    let what = format!("{rows}x{cols} h {th:?} bias {tb:?} y {ty:?} tanh {tanh}");
     let s = |v: &dyn ToString| v.to_string();
     let (hp, h) = put(dir, "h", &values(rows * cols, seed, 4.0), th);
     let (bp, b) = put(dir, "b", &values(cols, seed + 1, 1.5), tb);
@@ -162,16 +230,14 @@ fn gelu_case(rows: usize, cols: usize, (th, tb, ty): (DType, DType, DType), seed
             let pre = h[i] + b[c];
             let pre = if rounded { encode(&[pre], th).1[0] } else { pre };
             // Φ and expf within a few ulps; the f32 sum's rounding where it is not rounded again.
-            let want = gelu(pre);
-            let f32_err = want.abs() * 2e-6 + gelu_grad(pre).abs() * pre.abs() * 6e-8;
+            let want = form.f(pre);
+            let f32_err = form.f_err(pre) + form.fp(pre).abs() * pre.abs() * 6e-8;
             let bound = atol(ty) + want.abs() * eps(ty) * 1.01 + f32_err * 1.01;
             check(&format!("{what} y[{r}][{c}]"), y[i], want, bound);
 
-            let want = dy[i] * gelu_grad(pre);
-            let g2 = pdf(pre) * (2.0 - pre * pre);
-            let f32_err = dy[i].abs() * (cdf(pre) + (pre * pdf(pre)).abs()) * 2e-6
-                + (dy[i] * g2 * pre).abs() * 6e-8
-                + want.abs() * 1.2e-7;
+            let want = dy[i] * form.fp(pre);
+            let f32_err =
+                dy[i].abs() * form.fp_err(pre) + (dy[i] * form.fpp(pre) * pre).abs() * 6e-8 + want.abs() * 1.2e-7;
             let bound = atol(th) + want.abs() * eps(th) * 1.01 + f32_err * 1.01;
             check(&format!("{what} dh[{r}][{c}]"), dh[i], want, bound);
             // The sum adds what dh holds where the pre-activation is rounded, else f32 values.
@@ -195,7 +261,9 @@ fn bias_gelu_forward_and_backward_on_the_emulator() {
     let dir = cuda_emu::scratch("rows", "gelu");
     for (k, &(rows, cols)) in SHAPES.iter().enumerate() {
         for (j, types) in gelu_types().into_iter().enumerate() {
-            gelu_case(rows, cols, types, (10 * k + j) as u64, &dir);
+            for tanh in [false, true] {
+                gelu_case(rows, cols, types, tanh, (10 * k + j) as u64, &dir);
+            }
         }
     }
 }
@@ -208,8 +276,8 @@ fn bias_gradients_are_the_same_on_every_run() {
         (DType::BF16, DType::BF16, DType::F32),
         (DType::F32, DType::F32, DType::F32),
     ] {
-        let a = gelu_case(130, 300, types, 7, &dir);
-        let b = gelu_case(130, 300, types, 7, &dir);
+        let a = gelu_case(130, 300, types, false, 7, &dir);
+        let b = gelu_case(130, 300, types, false, 7, &dir);
         assert_eq!(a, b, "{types:?}: two runs differ");
     }
     for _ in 0..2 {
@@ -320,6 +388,9 @@ fn row_plans_cover_every_row_and_column() {
         let p = bias_gelu_plan(rows, cols, DType::BF16, DType::BF16, DType::F32).unwrap();
         let t = &p.tiles;
         assert_eq!(p.forward.kernel, "amp_bias_gelu_fwd_bf16_bf16_f32");
+        let q = bias_gelu_tanh_plan(rows, cols, DType::BF16, DType::BF16, DType::F32).unwrap();
+        assert_eq!(q.backward.kernel, "amp_bias_gelu_tanh_bwd_bf16_bf16_f32");
+        assert_eq!((&q.tiles, &q.sum), (&p.tiles, &p.sum));
         assert_eq!(p.sum.kernel, "amp_colsum_sum_bf16");
         assert!(t.rows_per_chunk * t.chunks >= rows && t.rows_per_chunk * (t.chunks - 1) < rows);
         assert!(t.col_tiles * p.forward.block as usize >= cols);
@@ -375,9 +446,9 @@ fn var(v: &[f64], shape: &[usize], dt: DType, dev: &Device) -> Var {
     Var::from_tensor(&t.to_dtype(dt).unwrap()).unwrap()
 }
 
-/// `nn::Linear` with GELU (the CUDA kernels: product, then bias + GELU) against the CPU path:
-/// the output and the gradients of x, w and b, in f32, f16 and bf16, and at O1-style autocast
-/// (f32 parameters, GELU's output in f32).
+/// `nn::Linear` with GELU in either form (the CUDA kernels: product, then bias + GELU) against
+/// the CPU path: the output and the gradients of x, w and b, in f32, f16 and bf16, and at
+/// O1-style autocast (f32 parameters, GELU's output in f32).
 #[test]
 fn cuda_linear_gelu_matches_the_cpu_path() {
     let dev = common::device();
@@ -392,13 +463,15 @@ fn cuda_linear_gelu_matches_the_cpu_path() {
     for (rows, k, n) in [(1, 8, 1), (7, 16, 3), (33, 64, 769), (4, 32, 3072)] {
         let (xv, wv, bv) = (values(rows * k, 1, 2.0), values(n * k, 2, 0.3), values(n, 3, 1.0));
         let cv = values(rows * n, 4, 1.0);
-        for (dt, autocast) in [
+        let cases = [
             (DType::F32, None),
             (DType::F16, None),
             (DType::BF16, None),
             (DType::F32, Some(DType::F16)),
             (DType::F32, Some(DType::BF16)),
-        ] {
+        ];
+        let acts = [candle_amp::nn::Activation::Gelu, candle_amp::nn::Activation::GeluTanh];
+        for ((dt, autocast), act) in cases.into_iter().flat_map(|c| acts.map(|a| (c, a))) {
             let run = |d: &Device| {
                 let (x, w, b) = (
                     var(&xv, &[rows, k], dt, d),
@@ -406,7 +479,7 @@ fn cuda_linear_gelu_matches_the_cpu_path() {
                     var(&bv, &[n], dt, d),
                 );
                 let layer = candle_amp::nn::Linear::new(w.as_tensor().clone(), Some(b.as_tensor().clone()))
-                    .with_activation(candle_amp::nn::Activation::Gelu);
+                    .with_activation(act);
                 let y = {
                     let _s = autocast.map(candle_amp::autocast::scope);
                     layer.forward(x.as_tensor()).unwrap()
@@ -427,7 +500,7 @@ fn cuda_linear_gelu_matches_the_cpu_path() {
             let tol = autocast.unwrap_or(dt);
             for (name, (a, b)) in ["y", "dx", "dw", "db"].iter().zip(c.iter().zip(&gpu)) {
                 close(
-                    &format!("{rows}x{k}x{n} {dt:?} autocast {autocast:?} {name}"),
+                    &format!("{rows}x{k}x{n} {dt:?} {act:?} autocast {autocast:?} {name}"),
                     a,
                     b,
                     tol,

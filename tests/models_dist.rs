@@ -15,7 +15,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use candle_amp::distributed::{Communicator, DataParallel, DataParallelConfig, Sharding};
-use candle_amp::optim::{AdamW, AdamWConfig};
 use candle_amp::{self as amp, AmpConfig, HalfType, OptLevel};
 use candle_core::Device;
 use model_tasks::*;
@@ -60,15 +59,7 @@ fn train(
     let cfg = AmpConfig::new(level).half(half).seed(10 + rank as u64).verbosity(0);
     let amp = amp::Amp::new(cfg, &dev).unwrap();
     let forward = build(arch, &amp);
-    let mut opt = amp
-        .optimizer(
-            AdamW::new(AdamWConfig {
-                lr: 1e-2,
-                ..Default::default()
-            })
-            .unwrap(),
-        )
-        .unwrap();
+    let mut opt = adamw(&amp);
     let ddp =
         comm.map(|c| DataParallel::sharded(&amp, c, DataParallelConfig { bucket_bytes: 4096 }, sharding).unwrap());
     let mut losses = Vec::new();

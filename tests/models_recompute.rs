@@ -13,7 +13,6 @@ mod model_tasks;
 
 use std::collections::BTreeMap;
 
-use candle_amp::optim::{AdamW, AdamWConfig};
 use candle_amp::recompute::Recompute;
 use candle_amp::{self as amp, AmpConfig, GradScaler, HalfType, OptLevel};
 use model_tasks::*;
@@ -39,15 +38,7 @@ fn train(arch: Arch, level: OptLevel, half: HalfType, checkpoint: bool, driver: 
     let dev = common::device();
     let amp = amp::Amp::new(AmpConfig::new(level).half(half).seed(3).verbosity(0), &dev).unwrap();
     let forward = build(arch, &amp);
-    let mut opt = amp
-        .optimizer(
-            AdamW::new(AdamWConfig {
-                lr: 1e-2,
-                ..Default::default()
-            })
-            .unwrap(),
-        )
-        .unwrap();
+    let mut opt = adamw(&amp);
     let rc = Recompute::new(&amp);
     let mut scaler = GradScaler::new();
     let mut trace = Trace {

@@ -13,7 +13,6 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use candle_amp::models::{BlockRunner, bert, llama, vit};
-use candle_amp::optim::{AdamW, AdamWConfig};
 use candle_amp::recompute::Recompute;
 use candle_amp::{self as amp, Amp, AmpConfig, HalfType, OptLevel};
 use candle_core::{Device, Tensor};
@@ -84,15 +83,7 @@ fn train(arch: Arch, level: OptLevel, half: HalfType, per_block: bool) -> Trace 
         }) as BlockRunner
     });
     let forward = build_with(arch, &amp, runner);
-    let mut opt = amp
-        .optimizer(
-            AdamW::new(AdamWConfig {
-                lr: 1e-2,
-                ..Default::default()
-            })
-            .unwrap(),
-        )
-        .unwrap();
+    let mut opt = adamw(&amp);
     let (mut losses, mut grads, mut held) = (Vec::new(), Vec::new(), 0);
     for b in batches(arch, 16, 3, 9, &dev) {
         let before = counting::live();

@@ -170,8 +170,9 @@ impl CustomOp1 for Silu {
 }
 
 /// SiLU (swish) `x * sigmoid(x)`, differentiable, computed in f32 and rounded once for f32,
-/// f16 and bf16 on the CPU (the backward too: `g * silu'(x)` in one pass); candle's `silu`
-/// elsewhere, and while [`super::plain`] is open. candle's own half `silu` rounds each step
+/// f16 and bf16 on the CPU (the backward too: `g * silu'(x)` in one pass); on CUDA one kernel
+/// each way, in f32 arithmetic; candle's `silu` elsewhere, where the CUDA kernels do not
+/// load, and while [`super::plain`] is open. candle's own half `silu` rounds each step
 /// of `x / (1 + exp(-x))` and its backward is about six half ops.
 ///
 /// ```
@@ -184,6 +185,13 @@ impl CustomOp1 for Silu {
 /// # Ok(()) }
 /// ```
 pub fn silu(x: &Tensor) -> Result<Tensor> {
+    // On CUDA one kernel each way (`cuda::gated`), where candle's `silu` backward is composed ops.
+    if super::enabled()
+        && x.device().is_cuda()
+        && let Some(y) = super::cuda::gated::activation(x, super::cuda::gated::PointAct::Silu)?
+    {
+        return Ok(y);
+    }
     if !(super::enabled() && x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)) {
         return x.silu();
     }

@@ -316,7 +316,8 @@ impl CustomOp2 for GeluTanhGrad {
 
 /// GELU in the erf form (`x * Φ(x)`, what PyTorch's `gelu` and candle's `gelu_erf` compute),
 /// differentiable, as one op with a one-pass backward, in f32 arithmetic for every storage
-/// type (f32, f16, bf16 on the CPU; candle's `gelu_erf` elsewhere).
+/// type (f32, f16, bf16 on the CPU; on CUDA one kernel each way, in f32 arithmetic; candle's
+/// `gelu_erf` elsewhere, and where the CUDA kernels do not load).
 ///
 /// ```
 /// use candle_amp::kernels;
@@ -328,6 +329,14 @@ impl CustomOp2 for GeluTanhGrad {
 /// # Ok(()) }
 /// ```
 pub fn gelu(x: &Tensor) -> Result<Tensor> {
+    // On CUDA one kernel each way (`cuda::gated`), where candle's `gelu_erf` backward is
+    // composed ops.
+    if super::enabled()
+        && x.device().is_cuda()
+        && let Some(y) = super::cuda::gated::activation(x, super::cuda::gated::PointAct::Gelu)?
+    {
+        return Ok(y);
+    }
     if !(super::enabled() && x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)) {
         return x.gelu_erf();
     }
@@ -342,7 +351,8 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
 /// GELU in the tanh form (`x/2 * (1 + tanh(√(2/π) (x + 0.044715 x³)))`, what PyTorch's
 /// `gelu(x, approximate="tanh")` and candle's `gelu` compute), differentiable, as one op with
 /// a one-pass backward, in f32 arithmetic for every storage type (f32, f16, bf16 on the CPU,
-/// half types by table as [`gelu`]; candle's `gelu` elsewhere).
+/// half types by table as [`gelu`]; on CUDA one kernel each way, in f32 arithmetic; candle's
+/// `gelu` elsewhere, and where the CUDA kernels do not load).
 ///
 /// ```
 /// use candle_amp::kernels;
@@ -354,6 +364,13 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
 /// # Ok(()) }
 /// ```
 pub fn gelu_tanh(x: &Tensor) -> Result<Tensor> {
+    // On CUDA one kernel each way (`cuda::gated`), where candle's backward is composed ops.
+    if super::enabled()
+        && x.device().is_cuda()
+        && let Some(y) = super::cuda::gated::activation(x, super::cuda::gated::PointAct::GeluTanh)?
+    {
+        return Ok(y);
+    }
     if !(super::enabled() && x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)) {
         return x.gelu();
     }

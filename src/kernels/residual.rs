@@ -25,6 +25,9 @@ use super::chain::Chain;
 use super::gated::Gated;
 use super::wgrad::{Dx, GradSink};
 
+mod stack;
+pub(crate) use stack::stack;
+
 /// The body in front of the dropout: a fused node built on the norm's output (pre-norm) or
 /// on the sub-layer's input (post-norm).
 pub(crate) enum Body {
@@ -83,8 +86,10 @@ pub(crate) enum Placement {
     Post,
 }
 
-/// The node, and what the forward kept for the backward.
-struct Residual {
+/// The node, and what the forward kept for the backward: built by [`build`] with its
+/// forward run, applied to candle's graph alone ([`Residual::apply`]) or with the
+/// sub-layers after it as one node ([`stack()`]).
+pub(crate) struct Residual {
     placement: Placement,
     /// The norm's input as the norm computed with it, detached: pre-norm the node's input
     /// (or its f32 copy under autocast), post-norm the sum (likewise).
@@ -103,10 +108,26 @@ struct Residual {
     /// The dropout mask in the body output's type (`None`: no dropout).
     mask: Option<Tensor>,
     sink: Arc<dyn GradSink>,
+    /// Whether a parameter of the norm or the body takes a gradient.
+    trains: bool,
     result: Mutex<Option<Tensor>>,
 }
 
 impl Residual {
+    /// The sub-layer's output, as the node hands it to candle (the forward ran in [`build`]);
+    /// an error once it was handed over.
+    pub(crate) fn output(&self) -> Result<Tensor> {
+        let out = self.result.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        out.ok_or_else(|| candle_core::Error::Msg("amp-residual: the output was handed over".into()))
+    }
+
+    /// The node applied to candle's graph on its input `x` (the tensor it was built on).
+    pub(crate) fn apply(self, x: &Tensor) -> Result<Tensor> {
+        let trains = self.trains;
+        let x = super::dense(x)?;
+        super::wgrad::apply_node(&x, self, trains)
+    }
+
     /// The input's gradient (dense, in `x_dtype`; `None` when the input takes none) after
     /// the parameters' gradients went to the sink.
     fn input_grad(&self, x_dtype: DType, x_grad: bool, g: &Tensor) -> Result<Option<Tensor>> {
@@ -218,7 +239,10 @@ impl CustomOp2 for Residual {
 /// a half body output to an f32 `x` (O1); any other mix of types, a body output of another
 /// shape, another device or the kernels off give `None`: the caller runs the unfused ops
 /// (with the same mask).
-pub(crate) fn residual(
+///
+/// The node with its forward run (its output waits in it, [`Residual::output`]), not
+/// applied to any graph.
+pub(crate) fn build(
     x: &Tensor,
     norm: NormSpec<'_>,
     placement: Placement,
@@ -226,7 +250,7 @@ pub(crate) fn residual(
     body: impl FnOnce(&Tensor) -> Result<Option<Body>>,
     mask: Option<&Tensor>,
     sink: Arc<dyn GradSink>,
-) -> Result<Option<Tensor>> {
+) -> Result<Option<Residual>> {
     let float = |t: &Tensor| matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16);
     if !(super::enabled() && x.device().is_cpu() && float(x) && x.rank() >= 2 && x.elem_count() > 0) {
         return Ok(None);
@@ -295,8 +319,8 @@ pub(crate) fn residual(
         body_out: out,
         mask,
         sink,
+        trains,
         result: Mutex::new(Some(y)),
     };
-    let x = super::dense(x)?;
-    Ok(Some(super::wgrad::apply_node(&x, node, trains)?))
+    Ok(Some(node))
 }

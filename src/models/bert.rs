@@ -380,6 +380,12 @@ impl BertModel {
             None => attention_mask.map(attention_bias).transpose()?,
         };
         let mut x = self.embeddings.forward(input_ids, token_type_ids)?;
+        if self.runner.is_none() && bias.is_none() {
+            // Every sub-layer in turn, consecutive fused ones as one node (no half residual
+            // stream between them in candle's graph); the additive bias runs block by block.
+            let subs: Vec<&Residual> = self.layers.iter().flat_map(|l| [&l.attention, &l.ffn]).collect();
+            return Residual::forward_stack(&subs, &x, true, None, lengths.as_deref());
+        }
         for (i, layer) in self.layers.iter().enumerate() {
             x = match &self.runner {
                 None => layer.forward(&x, bias.as_ref(), lengths.as_deref())?,

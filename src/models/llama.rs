@@ -449,14 +449,17 @@ impl Llama {
         let (_, t) = ids.dims2()?;
         let (cos, sin) = self.rope.tables(t)?;
         let mut x = self.embed_tokens.forward(ids)?;
+        let Some(run) = &self.runner else {
+            // Every sub-layer in turn, consecutive fused ones as one node (no half residual
+            // stream between them in candle's graph).
+            let subs: Vec<&ann::Residual> = self.layers.iter().flat_map(|l| [&l.attn, &l.mlp]).collect();
+            let x = ann::Residual::forward_stack(&subs, &x, true, Some((&cos, &sin)), None)?;
+            return self.norm.forward(&x);
+        };
+        // Block by block through the runner (checkpointing per block).
         for (i, layer) in self.layers.iter().enumerate() {
-            x = match &self.runner {
-                None => layer.forward(&x, &cos, &sin)?,
-                Some(run) => {
-                    let (layer, cos, sin) = (layer.clone(), cos.clone(), sin.clone());
-                    run(i, Arc::new(move |x: &Tensor| layer.forward(x, &cos, &sin)), &x)?
-                }
-            };
+            let (layer, cos, sin) = (layer.clone(), cos.clone(), sin.clone());
+            x = run(i, Arc::new(move |x: &Tensor| layer.forward(x, &cos, &sin)), &x)?;
         }
         self.norm.forward(&x)
     }

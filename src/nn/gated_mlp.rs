@@ -43,7 +43,10 @@ impl GateActivation {
 /// half type, their gradients too. Elsewhere the layers and ops run one by one: outside a
 /// run, in f32 (O0), off the CPU, while the numerics doctor records the step or a layer is
 /// kept in f32 (both work per named layer), with GELU under autocast (O1 runs it in f32),
-/// and where a layer has an activation of its own ([`Linear::with_activation`]).
+/// and where a layer has an activation of its own ([`Linear::with_activation`]). On CUDA,
+/// unless the doctor records or a layer is kept in f32, the activation and the product then
+/// run as one kernel forward and one backward, in the types and, up to the activation's f32
+/// rounding, the values of the separate ops.
 ///
 /// ```
 /// use candle_amp::nn::{GateActivation, GatedMlp, Linear};
@@ -97,14 +100,28 @@ impl GatedMlp {
     /// The block as separate layers and ops, each one a node of the graph.
     fn unfused(&self, x: &Tensor) -> Result<Tensor> {
         let g = self.gate.forward(x)?;
-        let a = match self.act {
-            // `kernels::silu` under `ops::silu`'s policy: what the fused node computes.
-            GateActivation::Silu => ops::call("silu", &[&g], |t| crate::kernels::silu(&t[0]))?,
-            GateActivation::Gelu => ops::gelu(&g)?,
-            GateActivation::Relu => ops::relu(&g)?,
-        };
+        if !g.device().is_cpu() {
+            // On CUDA the activation and the product as one kernel each way, in the types
+            // and (up to the activation's f32 rounding) the values of the ops below.
+            let u = self.up.forward(x)?;
+            if let Some(p) = fused::cuda_gated_product(&g, &u, self.act.fused())? {
+                return self.down.forward(&p);
+            }
+            return self.down.forward(&ops::mul(&self.activate(&g)?, &u)?);
+        }
+        let a = self.activate(&g)?;
         let u = self.up.forward(x)?;
         self.down.forward(&ops::mul(&a, &u)?)
+    }
+
+    /// The activation on the gate's output, as its op under the thread's policy.
+    fn activate(&self, g: &Tensor) -> Result<Tensor> {
+        match self.act {
+            // `kernels::silu` under `ops::silu`'s policy: what the fused node computes.
+            GateActivation::Silu => ops::call("silu", &[g], |t| crate::kernels::silu(&t[0])),
+            GateActivation::Gelu => ops::gelu(g),
+            GateActivation::Relu => ops::relu(g),
+        }
     }
 }
 

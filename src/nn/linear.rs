@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 use candle_nn::{Module, VarBuilder};
 
 use crate::kernels::wgrad::Act;
@@ -131,6 +131,19 @@ pub fn linear_no_bias(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<L
 }
 
 /// An embedding table. Lookups are on no cast list: they return the table's type.
+///
+/// Ids are u8, u32 or i64 of any shape; the output has their shape plus the table's width.
+/// An id of another type, negative or past the table's rows is an
+/// [`AmpError::InvalidArgument`](crate::AmpError::InvalidArgument) naming `ids` (checked on
+/// the CPU at every level; on a GPU, where the ids are not read back, u32 and i64 ids go to
+/// the library's CUDA kernel, which gives a row of NaN for an id outside the table, and of
+/// zeros for its type's largest value, candle's padding id, neither with a gradient; u8 ids
+/// go to candle's `index_select`, whose device assert stops the device). On CUDA the table's
+/// gradient is summed in f32 in the ids' order and rounded once to its type. Inside a run
+/// whose table is in half (O2, O3), the table's gradient is summed in f32, the looked-up rows
+/// added in their order, and joins the f32 main gradient directly, rather than summed in half
+/// by candle's `index_select` backward (a token repeated across a batch would lose its small
+/// gradients in bf16).
 #[derive(Debug, Clone)]
 pub struct Embedding {
     embeddings: Tensor,
@@ -163,11 +176,60 @@ impl Module for Embedding {
             if let Some(r) = crate::precision::empty::on_host(&[ids, &self.embeddings], lookup) {
                 return r;
             }
+            if ids.device().is_cpu() {
+                // Checked here, so a bad id is the same typed error at every level.
+                let rows = checked_rows(ids, self.embeddings.dim(0)?)?;
+                if let Some(y) = fused::embedding(ids, rows, &self.embeddings)? {
+                    return Ok(y);
+                }
+            }
+            // On CUDA the ids stay on the device (no host read): the kernel's backward sums
+            // the table's gradient in f32 where candle's `index_add` sums in the table's type.
+            if !ids.device().is_cpu()
+                && crate::kernels::enabled()
+                && let Some(y) = crate::kernels::cuda::embed::lookup(ids, &self.embeddings)?
+            {
+                return Ok(y);
+            }
             let mut shape = ids.dims().to_vec();
             shape.push(self.hidden);
             self.embeddings.index_select(&ids.flatten_all()?, 0)?.reshape(shape)
         })
     }
+}
+
+/// The ids (u8, u32 or i64, any shape) as row indices, each checked to lie in `0..vocab`.
+fn checked_rows(ids: &Tensor, vocab: usize) -> Result<Arc<[u32]>> {
+    let bad = |reason: String| -> candle_core::Error {
+        crate::AmpError::InvalidArgument {
+            argument: "ids",
+            reason,
+        }
+        .into()
+    };
+    let flat = ids.flatten_all()?;
+    let values: Vec<i64> = match ids.dtype() {
+        DType::U8 => flat.to_vec1::<u8>()?.into_iter().map(i64::from).collect(),
+        DType::U32 => flat.to_vec1::<u32>()?.into_iter().map(i64::from).collect(),
+        DType::I64 => flat.to_vec1::<i64>()?,
+        dt => {
+            return Err(bad(format!(
+                "token indices of type u8, u32 or i64, got {dt:?} (convert them with `to_dtype(DType::U32)`)"
+            )));
+        }
+    };
+    values
+        .into_iter()
+        .map(|v| {
+            if v < 0 || v as u64 >= vocab as u64 {
+                Err(bad(format!(
+                    "token indices in 0..{vocab} (the embedding's rows), got {v}"
+                )))
+            } else {
+                Ok(v as u32)
+            }
+        })
+        .collect()
 }
 
 /// Builds an [`Embedding`] as `candle_nn::embedding` does (name `weight`, normal init).

@@ -5,6 +5,7 @@ use candle_core::{DType, Module, Result, Tensor};
 use super::Linear;
 use crate::error::AmpError;
 use crate::kernels::lm_head::{self, Head, IGNORED};
+use crate::kernels::lm_head_chunked;
 use crate::precision::autocast;
 use crate::precision::ops;
 
@@ -25,14 +26,30 @@ use crate::precision::ops;
 /// ever made; the forward computes the hidden's and the weight's gradients (f32
 /// accumulations), which the backward scales by the loss's gradient, sending the weight's
 /// and bias's to the run in f32 as [`Linear`] does. The forward of that node therefore costs
-/// the three products of a forward and backward even when no backward follows. Elsewhere
-/// (outside a run, all in f32 at O0, off the CPU, a head with an activation, a recorded
-/// step or a layer kept in f32) it is the plain composition above. The two agree within
-/// f32 rounding: the fused node accumulates the loss and gradients in another order and
-/// rounds the logits and their gradient to half nowhere.
+/// the three products of a forward and backward even when no backward follows.
+///
+/// On a CUDA device (inside a run or not, at any level, the head and the hidden of one float
+/// type after the policy's casts), the head and the loss are one node too, over row chunks of
+/// at most 32 Mi logits: each chunk's logits come from candle's matmul (cuBLAS) in the
+/// hidden's type as the plain path's do, one kernel turns them into the rows'
+/// log-probabilities and the gradient at the logits (f32 arithmetic, stored in the logits'
+/// type), and the chunk's share of the hidden's, weight's and bias's gradients follows from
+/// two more products, the weight's and bias's summed over the chunks in f32. The backward
+/// scales those by the loss's gradient and returns them through candle's graph in the
+/// parameters' own types. So the `N x vocab` logits and their gradient never exist whole
+/// (at GPT-2's vocabulary and 8192 tokens, 0.8 GB each in half). The targets are copied to
+/// the host once to be checked (one host read per call).
+///
+/// Elsewhere (outside a run, all in f32 at O0 on the CPU, another device, a head with an
+/// activation, a recorded step or a layer kept in f32) it is the plain composition above.
+/// The fused nodes and the plain path agree within rounding: the nodes accumulate the loss
+/// and gradients in another order; the CPU node rounds the logits and their gradient to
+/// half nowhere, the CUDA node rounds them as the plain path does but sums the weight's
+/// gradient in f32.
 ///
 /// Errors (typed, [`AmpError::InvalidArgument`] on `targets`): targets not of an integer
-/// type, not one per row, or (on the CPU) outside `0..vocab` and not the ignored value.
+/// type, not one per row, or (on the CPU, and on CUDA where the node runs) outside `0..vocab`
+/// and not the ignored value.
 ///
 /// ```
 /// use candle_amp::nn::{Linear, linear_cross_entropy};
@@ -56,6 +73,19 @@ pub fn linear_cross_entropy(hidden: &Tensor, head: &Linear, targets: &Tensor) ->
     let vocab = w.dims().first().copied().unwrap_or(0);
     let checked = check_targets(targets, hidden.rank(), rows, vocab)?;
     let plain = || ops::cross_entropy(&head.forward(hidden)?, targets);
+    // On CUDA the chunked node whether or not a run holds the head: candle's graph carries
+    // its gradients (no stash needed), and the full logits cost the same memory anywhere.
+    let on_device = hidden.device().is_cuda() || lm_head_chunked::forced();
+    if on_device
+        && head.activation().is_none()
+        && autocast::hooked_context().is_none()
+        && crate::kernels::enabled()
+        && rows > 0
+        && d > 0
+        && vocab > 0
+    {
+        return chunked(hidden, head, targets, checked, (rows, d, vocab));
+    }
     let (Some(t), None) = (checked, head.activation()) else {
         return plain();
     };
@@ -101,6 +131,31 @@ pub fn linear_cross_entropy(hidden: &Tensor, head: &Linear, targets: &Tensor) ->
     })
 }
 
+/// The CUDA node (`kernels::lm_head_chunked`; on the CPU under the testing switch) after the
+/// policy's casts, the targets' values checked on the host; the plain ops where it does not
+/// apply to the cast operands.
+fn chunked(
+    hidden: &Tensor,
+    head: &Linear,
+    targets: &Tensor,
+    checked: Option<lm_head::Targets>,
+    (rows, d, vocab): (usize, usize, usize),
+) -> Result<Tensor> {
+    let mut args = vec![hidden, head.weight()];
+    args.extend(head.bias());
+    ops::call("linear", &args, |xs| {
+        let h2 = xs[0].reshape((rows, d))?;
+        if !lm_head_chunked::applies(&h2, &xs[1], xs.get(2)) {
+            return ops::cross_entropy(&crate::kernels::linear(&xs[0], &xs[1], xs.get(2))?, targets);
+        }
+        let t = match checked {
+            Some(t) => t,
+            None => target_values(targets, vocab)?,
+        };
+        lm_head_chunked::linear_cross_entropy(&h2, &xs[1], xs.get(2), &t)
+    })
+}
+
 fn bad_targets(reason: String) -> candle_core::Error {
     AmpError::InvalidArgument {
         argument: "targets",
@@ -127,7 +182,13 @@ fn check_targets(targets: &Tensor, rank: usize, rows: usize, vocab: usize) -> Re
     if !targets.device().is_cpu() {
         return Ok(None);
     }
-    let flat = targets.flatten_all()?;
+    target_values(targets, vocab).map(Some)
+}
+
+/// The targets' values (on any device: copied to the host once) as row indices, checked to
+/// be in `0..vocab` or the type's maximum (`IGNORED`).
+fn target_values(targets: &Tensor, vocab: usize) -> Result<lm_head::Targets> {
+    let flat = targets.flatten_all()?.to_device(&candle_core::Device::Cpu)?;
     let idx: Vec<u32> = match targets.dtype() {
         DType::U8 => flat
             .to_vec1::<u8>()?
@@ -157,7 +218,7 @@ fn check_targets(targets: &Tensor, rank: usize, rows: usize, vocab: usize) -> Re
             .map(|v| if v == i64::MAX { Ok(IGNORED) } else { in_range(v, vocab) })
             .collect::<Result<_>>()?,
     };
-    Ok(Some(idx.into()))
+    Ok(idx.into())
 }
 
 fn in_range(v: i64, vocab: usize) -> Result<u32> {

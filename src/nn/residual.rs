@@ -138,6 +138,8 @@ pub enum NormPlacement {
 ///
 /// A self-attention body takes per-call rotary tables and key lengths through
 /// [`Residual::forward_with`] (Llama's shared tables, BERT's padding), inside the node too.
+/// Consecutive sub-layers (a model's blocks) run as one node through
+/// [`Residual::forward_stack`], with the same values and gradients.
 ///
 /// ```
 /// use candle_amp::nn::{Dropout, Linear, Mlp, Residual, layer_norm};
@@ -241,9 +243,81 @@ impl Residual {
         }
         // Drawn once, before either path, so both consume the generator alike.
         let mask = self.dropout.mask(x.shape(), x.device(), train)?;
-        if let Some(y) = self.fused(x, mask.as_ref(), rope, lengths)? {
-            return Ok(y);
+        match self.fused_node(x, mask.as_ref(), rope, lengths)? {
+            Some(node) => fused::residual_stack(x, vec![node]),
+            None => self.unfused(x, mask.as_ref(), rope, lengths),
         }
+    }
+
+    /// Consecutive sub-layers over `x`, `layers[0]` first, each on the previous one's output:
+    /// the value of calling [`forward_with`](Self::forward_with) on each in turn, with
+    /// `rope` and `lengths` given to each self-attention body (and no other), and the same
+    /// values, parameter gradients and input gradient, bit for bit, dropout masks included
+    /// (drawn in the same order). Where consecutive sub-layers each run as one fused node
+    /// (inside a run, in half on the CPU), they run as one node of candle's graph: the
+    /// residual stream between them is no half tensor of the graph, whose gradient candle's
+    /// backward would add into a fresh zero tensor in half, slowly on the CPU; each
+    /// sub-layer's input gradient goes straight to the one before. A sub-layer whose node
+    /// does not apply (see [`Residual`]) runs on its own between them. No layers: `x` back.
+    ///
+    /// ```
+    /// use candle_amp::nn::{Dropout, Linear, Mlp, Residual, rms_norm};
+    /// use candle_amp::{Amp, OptLevel};
+    /// use candle_core::{DType, Device, Tensor};
+    /// use candle_nn::{VarBuilder, VarMap};
+    /// # fn main() -> candle_core::Result<()> {
+    /// let dev = Device::Cpu;
+    /// let vm = VarMap::new();
+    /// let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev);
+    /// let none = || Dropout::new(0.0, Amp::new(OptLevel::O0, &dev)?.generator("dropout"));
+    /// // Zero bodies: each sub-layer is the identity, and so is the stack.
+    /// let zero = || Mlp::new(vec![Linear::new(Tensor::zeros((2, 2), DType::F32, &dev).unwrap(), None)]);
+    /// let a = Residual::new(rms_norm(2, 1e-5, vb.pp("a"))?, zero(), none()?);
+    /// let b = Residual::new(rms_norm(2, 1e-5, vb.pp("b"))?, zero(), none()?);
+    /// let x = Tensor::new(&[[1f32, 2.]], &dev)?;
+    /// let y = Residual::forward_stack(&[&a, &b], &x, true, None, None)?;
+    /// assert_eq!(y.to_vec2::<f32>()?, [[1.0, 2.0]]);
+    /// # Ok(()) }
+    /// ```
+    pub fn forward_stack(
+        layers: &[&Residual],
+        x: &Tensor,
+        train: bool,
+        rope: Option<(&Tensor, &Tensor)>,
+        lengths: Option<&[usize]>,
+    ) -> Result<Tensor> {
+        // The nodes built so far, each on the previous one's output, not yet in the graph.
+        let mut nodes: Vec<fused::ResidualNode> = Vec::new();
+        // The graph tensor the pending nodes start from.
+        let mut x = x.clone();
+        for layer in layers {
+            let (rope, lengths) = match layer.body {
+                ResidualBody::Attention(_) => (rope, lengths),
+                _ => (None, None),
+            };
+            let input = match nodes.last() {
+                Some(n) => n.output()?,
+                None => x.clone(),
+            };
+            let mask = layer.dropout.mask(input.shape(), input.device(), train)?;
+            if let Some(node) = layer.fused_node(&input, mask.as_ref(), rope, lengths)? {
+                nodes.push(node);
+                continue;
+            }
+            x = fused::residual_stack(&x, std::mem::take(&mut nodes))?;
+            x = layer.unfused(&x, mask.as_ref(), rope, lengths)?;
+        }
+        fused::residual_stack(&x, nodes)
+    }
+
+    /// The unfused layers, one op after the other, with the dropout `mask`.
+    fn unfused(
+        &self,
+        x: &Tensor,
+        mask: Option<&Tensor>,
+        rope: Option<(&Tensor, &Tensor)>,
+        lengths: Option<&[usize]>,
+    ) -> Result<Tensor> {
         let body = |h: &Tensor| {
             let y = match &self.body {
                 ResidualBody::Attention(a) => a.forward_with(h, rope, lengths)?,
@@ -256,7 +330,7 @@ impl Residual {
                     y.dims()
                 )
             }
-            Dropout::apply(&y, mask.as_ref())
+            Dropout::apply(&y, mask)
         };
         match self.placement {
             NormPlacement::Pre => ops::add(x, &body(&self.norm.forward(x)?)?),
@@ -264,13 +338,15 @@ impl Residual {
         }
     }
 
-    fn fused(
+    /// The sub-layer's fused node on `x`, its forward run, not yet in the graph; `None` where
+    /// it does not apply.
+    fn fused_node(
         &self,
         x: &Tensor,
         mask: Option<&Tensor>,
         rope: Option<(&Tensor, &Tensor)>,
         lengths: Option<&[usize]>,
-    ) -> Result<Option<Tensor>> {
+    ) -> Result<Option<fused::ResidualNode>> {
         let Some(norm) = self.norm.fused_parts() else {
             return Ok(None);
         };
@@ -281,14 +357,16 @@ impl Residual {
         match &self.body {
             ResidualBody::Attention(a) => {
                 let spec = a.body_spec_with(x, rope, lengths)?;
-                fused::residual(x, norm, placement, spec, mask)
+                fused::residual_node(x, norm, placement, spec, mask)
             }
             ResidualBody::Mlp(m) => {
                 let spec = m.chain_spec();
-                fused::residual(x, norm, placement, fused::BodySpec::Chain(&spec), mask)
+                fused::residual_node(x, norm, placement, fused::BodySpec::Chain(&spec), mask)
             }
             ResidualBody::Gated(m) => match m.fused_spec() {
-                Some((proj, act)) => fused::residual(x, norm, placement, fused::BodySpec::Gated { proj, act }, mask),
+                Some((proj, act)) => {
+                    fused::residual_node(x, norm, placement, fused::BodySpec::Gated { proj, act }, mask)
+                }
                 None => Ok(None),
             },
         }

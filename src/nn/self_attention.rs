@@ -37,7 +37,9 @@ pub enum RopeLayout {
 /// f32 products summed in f32 and rounded once, where the unfused graph rounds each partial
 /// sum to half. Elsewhere the unfused layers run: outside a run, in f32 (O0), off the CPU,
 /// and while the numerics doctor records or a projection is kept in f32 (both work per
-/// named layer).
+/// named layer). On CUDA the unfused path's attention runs in the library's flash kernels
+/// where they apply: the grouped key/value heads read in place, the keys past each length
+/// masked in the kernel, the rotary embedding one kernel each way (`docs/cuda.md`).
 ///
 /// ```
 /// use candle_amp::nn::{Linear, SelfAttention};
@@ -332,6 +334,18 @@ impl SelfAttention {
             }
             None => (q, k),
         };
+        if crate::kernels::enabled() && crate::kernels::cuda::flash::applies_with(&q, &k, &v, lengths) {
+            // The CUDA flash kernels read the grouped heads in place and mask the keys past the
+            // lengths themselves (a length of 0 gives zeros): no repeated K and V, no mask
+            // tensor, no (b, h, t, t) scores. Cast and recorded as `scaled_dot_product_attention`'s
+            // flash branch does (as its `matmul`).
+            let scale = 1.0 / (self.head_dim() as f64).sqrt();
+            let a = ops::call("matmul", &[&q, &k, &v], |xs| {
+                crate::kernels::cuda::flash::attention_with(&xs[0], &xs[1], &xs[2], scale, self.causal, lengths)?
+                    .ok_or_else(|| candle_core::Error::Msg("SelfAttention: the CUDA kernels do not apply".into()))
+            })?;
+            return self.o.forward(&merge_heads(&a)?);
+        }
         let n = self.heads / self.kv_heads;
         let (k, v) = (repeat_kv(k, n)?, repeat_kv(v, n)?);
         let mask = lengths.map(|l| key_padding_mask(l, t, x.device())).transpose()?;
@@ -367,7 +381,19 @@ fn rotate_half(x: &Tensor) -> Result<Tensor> {
 /// `x cos + rotate_half(x) sin` over `x` `(b, heads, t, head_dim)`, computed in f32 (f64
 /// stays f64) and returned in `x`'s type: candle-nn's `rope` (the same rotation) has no
 /// backward. Tables of width `head_dim / 2`: candle's `rope_i` instead ([`rope_i_ops`]).
+/// On CUDA one kernel each way (`kernels::cuda::rope`: the same values, a zero gradient's
+/// sign aside) where it takes the types and the tables are `(t, width)`, as the composed ops
+/// need them.
 pub(crate) fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    if crate::kernels::enabled()
+        && !x.device().is_cpu()
+        && x.rank() == 4
+        && cos.rank() == 2
+        && cos.dim(0)? == x.dim(2)?
+        && let Some(y) = crate::kernels::cuda::rope::rope(x, cos, sin)?
+    {
+        return Ok(y);
+    }
     let dt = x.dtype();
     let wide = if dt == DType::F64 { DType::F64 } else { DType::F32 };
     let xw = crate::kernels::cast(x, wide)?;

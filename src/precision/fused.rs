@@ -59,14 +59,14 @@ pub(crate) fn linear_layer_act(x: &Tensor, w: &Tensor, b: Option<&Tensor>, act: 
     }
 }
 
-/// On CUDA, a layer with a bias and GELU: the product without its bias, then the bias and
-/// GELU as one kernel (`kernels::cuda::rows`) in the type [`super::ops::gelu`] gives (f32
-/// under autocast, whose policy runs GELU in f32). `None` elsewhere: off CUDA, with the
-/// kernels off, and where an observer records the step or a layer is kept in f32 (they see
-/// the layer's own output); where the kernel does not apply after the product, the bias is
-/// added as `kernels::linear` adds it off the CPU, then GELU.
+/// On CUDA, a layer with a bias and GELU (either form): the product without its bias, then
+/// the bias and GELU as one kernel (`kernels::cuda::rows`) in the type [`super::ops::gelu`]
+/// gives (f32 under autocast, whose policy runs GELU, both forms, in f32). `None` elsewhere:
+/// off CUDA, with the kernels off, and where an observer records the step or a layer is kept
+/// in f32 (they see the layer's own output); where the kernel does not apply after the
+/// product, the bias is added as `kernels::linear` adds it off the CPU, then GELU.
 fn cuda_bias_gelu(xs: &[Tensor], act: Option<Act>) -> Result<Option<Tensor>> {
-    let (Some(Act::Gelu), Some(b)) = (act, xs.get(2)) else {
+    let (Some(act @ (Act::Gelu | Act::GeluTanh)), Some(b)) = (act, xs.get(2)) else {
         return Ok(None);
     };
     // A bias of another type is candle's error on the unfused path: kept so.
@@ -81,9 +81,9 @@ fn cuda_bias_gelu(xs: &[Tensor], act: Option<Act>) -> Result<Option<Tensor>> {
         return Ok(None);
     };
     let h = kernels::linear(&xs[0], &xs[1], None)?;
-    match kernels::cuda::rows::bias_gelu(&h, b, out)? {
+    match kernels::cuda::rows::bias_gelu(&h, b, out, act == Act::GeluTanh)? {
         Some(y) => Ok(Some(y)),
-        None => apply_act(&h.broadcast_add(b)?, Act::Gelu).map(Some),
+        None => apply_act(&h.broadcast_add(b)?, act).map(Some),
     }
 }
 
@@ -148,6 +148,25 @@ fn chain_layers(prepared: &[Prepared]) -> Vec<kernels::chain::ChainLayer<'_>> {
             act: *act,
         })
         .collect()
+}
+
+/// The rows of `table` at `ids` (`rows`: the ids as checked row indices) as one node of the
+/// run whose backward sums the table's gradient in f32 and sends it to the run's stash
+/// ([`kernels::embedding`](crate::kernels::embedding)), or `None` where that does not apply
+/// and the caller runs `index_select`: outside a run, when an observer records the step, for
+/// a table that is not in half (candle sums an f32 table's gradient in f32 already), is not
+/// the run's or is frozen.
+pub(crate) fn embedding(ids: &Tensor, rows: std::sync::Arc<[u32]>, table: &Tensor) -> Result<Option<Tensor>> {
+    if autocast::hooked_context().is_some() || !is_half(table) {
+        return Ok(None);
+    }
+    let Some(stash) = autocast::run_stash() else {
+        return Ok(None);
+    };
+    if stash.trains(table) != Some(true) {
+        return Ok(None);
+    }
+    kernels::embedding::lookup(ids, rows, table, table, stash)
 }
 
 fn is_half(t: &Tensor) -> bool {
@@ -300,13 +319,17 @@ pub(crate) struct ResidualNorm<'a> {
 /// where that does not apply and the caller runs the unfused ops with the same `mask` (f32,
 /// `None`: no dropout): where the body's own fused node does not apply ([`self_attention`],
 /// [`linear_chain`], [`gated_mlp`]), or a norm parameter is not the run's.
-pub(crate) fn residual(
+///
+/// The node comes back with its forward run (its output is [`ResidualNode::output`]), not
+/// applied to any graph: [`residual_stack`] applies it, alone or with the sub-layers built
+/// after it on that output.
+pub(crate) fn residual_node(
     x: &Tensor,
     norm: ResidualNorm<'_>,
     placement: kernels::residual::Placement,
     body: BodySpec<'_>,
     mask: Option<&Tensor>,
-) -> Result<Option<Tensor>> {
+) -> Result<Option<ResidualNode>> {
     if autocast::hooked_context().is_some() {
         return Ok(None);
     }
@@ -340,7 +363,7 @@ pub(crate) fn residual(
     let prep = |t: &Tensor| Ok(prepare(op, &[t])?.0.swap_remove(0));
     let sink: std::sync::Arc<dyn kernels::wgrad::GradSink> = stash.clone();
     let run = |build: &dyn Fn(&Tensor) -> Result<Option<kernels::residual::Body>>| {
-        kernels::residual::residual(x, spec, placement, prep, build, mask, stash.clone())
+        kernels::residual::build(x, spec, placement, prep, build, mask, stash.clone())
     };
     match body {
         BodySpec::Chain(layers) => {
@@ -403,6 +426,17 @@ pub(crate) fn residual(
     }
 }
 
+/// A fused residual sub-layer's node ([`residual_node`]).
+pub(crate) type ResidualNode = kernels::residual::Residual;
+
+/// Consecutive fused residual sub-layers' nodes ([`residual_node`], the first built on `x`,
+/// each other on the previous one's output) as one node of candle's graph
+/// ([`kernels::residual::stack`](crate::kernels::residual::stack)): the last output, the
+/// values and gradients of applying each node alone, bit for bit.
+pub(crate) fn residual_stack(x: &Tensor, nodes: Vec<ResidualNode>) -> Result<Tensor> {
+    kernels::residual::stack(x, nodes)
+}
+
 /// A gated MLP `down(act(gate(x)) * up(x))` (`nn::GatedMlp`) with the projections
 /// `[gate, up, down]` (weight, bias) as one node of the run
 /// ([`kernels::gated`](crate::kernels::gated)), or `None` where that does not apply and the
@@ -447,4 +481,33 @@ fn gated_in_half(dt: DType, act: kernels::gated::GateAct) -> bool {
     };
     let keeps = |op: &str, n: usize| super::ops::prepared_type(op, &vec![dt; n]) == Some(dt);
     keeps(act_op, 1) && keeps("mul", 2)
+}
+
+/// On CUDA, a gated MLP's product `act(g) * u` (`nn::GatedMlp` where its fused node does not
+/// apply) as one kernel each way ([`kernels::cuda::gated`](crate::kernels::cuda::gated)), in
+/// the types the unfused ops give: the activation's as its op's policy gives it (`"silu"`'s,
+/// `"gelu"`'s: f32 under autocast; ReLU, on no list, in g's type), the product's as
+/// [`super::ops::mul`] promotes it. `None` elsewhere: off CUDA, with the kernels off, where an
+/// observer records the step or a layer is kept in f32 (they see each op's output), for
+/// operands of two types or shapes, an empty tensor, and a policy that would cast to half or
+/// refuse; the caller then runs the unfused ops.
+pub(crate) fn cuda_gated_product(g: &Tensor, u: &Tensor, act: kernels::gated::GateAct) -> Result<Option<Tensor>> {
+    use kernels::cuda::gated::PointAct;
+    use kernels::gated::GateAct;
+    if !kernels::enabled() || g.device().is_cpu() || g.dtype() != u.dtype() || autocast::hooked_context().is_some() {
+        return Ok(None);
+    }
+    let (op, point) = match act {
+        GateAct::Silu => (Some("silu"), PointAct::Silu),
+        GateAct::Gelu => (Some("gelu"), PointAct::Gelu),
+        GateAct::Relu => (None, PointAct::Relu),
+    };
+    let a = match op {
+        Some(op) => super::ops::prepared_type(op, &[g.dtype()]),
+        None => Some(g.dtype()),
+    };
+    let Some((a, p)) = a.and_then(|a| Some((a, super::ops::prepared_type("mul", &[a, u.dtype()])?))) else {
+        return Ok(None);
+    };
+    kernels::cuda::gated::gated_product(g, u, point, a, p)
 }

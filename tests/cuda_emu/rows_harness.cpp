@@ -1,4 +1,5 @@
-// Runs the kernels of src/kernels/cuda/rows.cu on the CPU grid emulator, for tests/cuda_rows.rs:
+// Runs the kernels of src/kernels/cuda/rows.cu on the CPU grid emulator, for tests/cuda_rows.rs
+// (the GELU passes take either form's kernels, erf or tanh):
 // inputs and outputs as raw little-endian files (f32, or the 16-bit patterns of f16/bf16, each
 // in the type its kernel's name gives), the kernels, grids and blocks as the library's launch
 // plan gives them. Outputs start filled with a pattern, so a value a kernel fails to write
@@ -20,8 +21,12 @@ typedef void (*AddFn)(AMP_ADD_ARGS);
 typedef void (*PartFn)(AMP_COLSUM_PART_ARGS);
 typedef void (*SumFn)(AMP_COLSUM_SUM_ARGS);
 
-#define GELU_FWD(TH, h, TB, b, TY, y) {"amp_bias_gelu_fwd_" #h "_" #b "_" #y, amp_bias_gelu_fwd_##h##_##b##_##y},
-#define GELU_BWD(TH, h, TB, b, TY, y) {"amp_bias_gelu_bwd_" #h "_" #b "_" #y, amp_bias_gelu_bwd_##h##_##b##_##y},
+#define GELU_FWD(TH, h, TB, b, TY, y)                                                                           \
+    {"amp_bias_gelu_fwd_" #h "_" #b "_" #y, amp_bias_gelu_fwd_##h##_##b##_##y},                                 \
+        {"amp_bias_gelu_tanh_fwd_" #h "_" #b "_" #y, amp_bias_gelu_tanh_fwd_##h##_##b##_##y},
+#define GELU_BWD(TH, h, TB, b, TY, y)                                                                           \
+    {"amp_bias_gelu_bwd_" #h "_" #b "_" #y, amp_bias_gelu_bwd_##h##_##b##_##y},                                 \
+        {"amp_bias_gelu_tanh_bwd_" #h "_" #b "_" #y, amp_bias_gelu_tanh_bwd_##h##_##b##_##y},
 #define ADD(TA, a, TB, b, TO, o) {"amp_add_" #a "_" #b "_" #o, amp_add_##a##_##b##_##o},
 #define PART(T, t) {"amp_colsum_part_" #t, amp_colsum_part_##t},
 #define SUM(T, t) {"amp_colsum_sum_" #t, amp_colsum_sum_##t},

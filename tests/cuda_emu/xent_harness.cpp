@@ -4,6 +4,7 @@
 //
 //   xent_harness fwd FWD GRID BLOCK MEAN_GRID MEAN_BLOCK ROWS COLS SCALE X TARGETS LOGP STATS LOSS
 //   xent_harness bwd BWD GRID BLOCK ROWS COLS INV_ROWS X TARGETS STATS G DX
+//   xent_harness rows ROWS_KERNEL GRID BLOCK ROWS COLS INV_N X TARGETS LOGP DX
 #include "emu.h"
 #include "xent.cu"
 
@@ -11,12 +12,15 @@
 
 typedef void (*FwdFn)(AMP_XENT_FWD_ARGS);
 typedef void (*BwdFn)(AMP_XENT_BWD_ARGS);
+typedef void (*RowsFn)(AMP_XENT_ROWS_ARGS);
 
 #define FWD(T, nt, I, ni, _) {"amp_xent_fwd_" #nt "_" #ni, amp_xent_fwd_##nt##_##ni},
 #define BWD(T, nt, I, ni, _) {"amp_xent_bwd_" #nt "_" #ni, amp_xent_bwd_##nt##_##ni},
 
 static const std::map<std::string, FwdFn> kFwd = {AMP_XENT_TYPES(FWD, _)};
 static const std::map<std::string, BwdFn> kBwd = {AMP_XENT_TYPES(BWD, _)};
+#define ROWS(T, nt, I, ni, _) {"amp_xent_rows_" #nt "_" #ni, amp_xent_rows_##nt##_##ni},
+static const std::map<std::string, RowsFn> kRows = {AMP_XENT_TYPES(ROWS, _)};
 
 // The logits' type is the kernel name's part after "amp_xent_xxx_".
 static size_t elem_bytes(const std::string& kernel) { return kernel.compare(13, 4, "f32_") == 0 ? 4 : 2; }
@@ -64,6 +68,28 @@ int main(int argc, char** argv) {
             f(x.data(), t.data(), (const float*)stats.data(), (const float*)g.data(), dx.data(), rows, cols, inv_rows);
         });
         write_file(argv[12], dx);
+        return 0;
+    }
+    if (pass == "rows" && argc == 12) {
+        const std::string kernel = argv[2];
+        auto it = kRows.find(kernel);
+        if (it == kRows.end()) {
+            std::fprintf(stderr, "no kernel %s\n", kernel.c_str());
+            return 2;
+        }
+        const dim3 grid{(unsigned)std::atol(argv[3]), 1, 1}, block{(unsigned)std::atol(argv[4]), 1, 1};
+        const int rows = std::atoi(argv[5]), cols = std::atoi(argv[6]);
+        const float inv_n = std::strtof(argv[7], nullptr);
+        const std::vector<char> x = read_file(argv[8]), t = read_file(argv[9]);
+        std::vector<char> logp((size_t)rows * 4, (char)0x7f);
+        // "amp_xent_rows_" is one letter longer than the other kernels' prefix.
+        const size_t eb = kernel.compare(14, 4, "f32_") == 0 ? 4 : 2;
+        std::vector<char> dx((size_t)rows * cols * eb, (char)0x7f);
+        const RowsFn f = it->second;
+        emu::launch(grid, block,
+                    [&] { f(x.data(), t.data(), (float*)logp.data(), dx.data(), rows, cols, inv_n); });
+        write_file(argv[10], logp);
+        write_file(argv[11], dx);
         return 0;
     }
     std::fprintf(stderr, "usage: see the comment at the top of xent_harness.cpp\n");

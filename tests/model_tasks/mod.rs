@@ -1,6 +1,7 @@
 //! The three models of `candle_amp::models` on small learnable tasks, shared by
-//! `tests/models_recompute.rs`, `tests/models_recompute_memory.rs` and `tests/models_dist.rs`:
-//! a model built in a run, its batches (whole, or one rank's rows) and its loss.
+//! `tests/models_recompute.rs`, `tests/models_recompute_blocks.rs`,
+//! `tests/models_recompute_memory.rs` and `tests/models_dist.rs`: a model built in a run, its
+//! optimizer, its batches (whole, or one rank's rows) and its loss.
 
 #![allow(dead_code)]
 
@@ -105,6 +106,15 @@ impl Batch {
             target: self.target.narrow(0, rank * n, n).unwrap(),
         }
     }
+}
+
+/// The optimizer the tasks train with: AdamW at lr 1e-2 under `amp`.
+pub fn adamw(amp: &Amp) -> candle_amp::optim::AmpOptimizer {
+    let cfg = candle_amp::optim::AdamWConfig {
+        lr: 1e-2,
+        ..Default::default()
+    };
+    amp.optimizer(candle_amp::optim::AdamW::new(cfg).unwrap()).unwrap()
 }
 
 /// `steps` batches of `rows` samples for `arch`, seeded, on `dev`.

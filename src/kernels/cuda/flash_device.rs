@@ -2,14 +2,16 @@
 //! context, applied as a custom op on `(q, k, v)` that keeps the rows' f32 log-sum-exp for its
 //! backward, which runs the three backward kernels. On compute capability 8.0 and newer the
 //! f16 and bf16 kernels are `flash_mma.cu`'s (tensor cores), a module of their own: where it
-//! fails to load, the FMA kernels of `flash.cu` run instead.
+//! fails to load, the FMA kernels of `flash.cu` run instead. K and V may have fewer heads than Q
+//! (grouped-query attention, read in place), and per-sequence key lengths travel to the
+//! kernels as an i32 buffer on the device.
 
 use std::sync::{Arc, Mutex};
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::cuda_backend::WrapErr;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchArgs, PushKernelArg};
 use candle_core::{CpuStorage, CudaStorage, CustomOp3, Device, Layout, Result, Shape, Storage, Tensor};
 
 use super::{FlashPlan, SOURCE, SOURCE_MMA, flash_plan};
@@ -67,10 +69,29 @@ fn dims(s: &Shape) -> (usize, usize, usize) {
     (s.elem_count() / (t * hd).max(1), t, hd)
 }
 
-/// The plan for three operands of one shape and type, or an error naming `what`.
-fn plan_for(what: &str, ss: [&CudaStorage; 3], ls: [&Layout; 3]) -> Result<FlashPlan> {
-    if ls[1].shape() != ls[0].shape() || ls[2].shape() != ls[0].shape() || ss.iter().any(|s| s.dtype() != ss[0].dtype())
-    {
+/// `(heads, group)` of q, k, v shapes: q's heads per batch entry (the third dimension from
+/// the end; 1 for a rank-2 q) and how many of them read each key/value head; `None` unless k
+/// and v have one shape, that of q or q's with fewer heads dividing its heads.
+fn grouping(q: &Shape, k: &Shape, v: &Shape) -> Option<(usize, usize)> {
+    let (qd, kd) = (q.dims(), k.dims());
+    let r = qd.len();
+    if r < 2 || k != v {
+        return None;
+    }
+    let heads = if r >= 3 { qd[r - 3] } else { 1 };
+    if k == q {
+        return Some((heads.max(1), 1));
+    }
+    let same_else = kd.len() == r && r >= 3 && (0..r).all(|i| i == r - 3 || kd[i] == qd[i]);
+    let kv = if same_else { kd[r - 3] } else { 0 };
+    (kv > 0 && heads.is_multiple_of(kv)).then_some((heads, heads / kv))
+}
+
+/// The plan for three operands of one type, k and v of q's shape or with fewer heads (see
+/// [`grouping`]), or an error naming `what`; with `(heads, group)`.
+fn plan_for(what: &str, ss: [&CudaStorage; 3], ls: [&Layout; 3]) -> Result<(FlashPlan, usize, usize)> {
+    let grouped = grouping(ls[0].shape(), ls[1].shape(), ls[2].shape());
+    if grouped.is_none() || ss.iter().any(|s| s.dtype() != ss[0].dtype()) {
         candle_core::bail!(
             "{what}: q {:?} {:?}, k {:?} {:?}, v {:?} {:?}",
             ls[0].shape(),
@@ -81,17 +102,34 @@ fn plan_for(what: &str, ss: [&CudaStorage; 3], ls: [&Layout; 3]) -> Result<Flash
             ss[2].dtype()
         );
     }
+    let (heads, group) = grouped.unwrap_or((1, 1));
     let (bh, t, d) = dims(ls[0].shape());
-    flash_plan(bh, t, d, ss[0].dtype(), None, tensor_cores(ss[0].device())).ok_or_else(|| no_kernel(what, ls[0]))
+    let plan = flash_plan(bh, group, t, d, ss[0].dtype(), None, tensor_cores(ss[0].device()));
+    Ok((plan.ok_or_else(|| no_kernel(what, ls[0]))?, heads, group))
+}
+
+/// Per-batch key lengths on the device (i32, clipped to the sequence), shared by a forward
+/// and its backward; `None`: no key masked.
+type Lengths = Option<Arc<CudaSlice<i32>>>;
+
+/// Pushes the key lengths' device pointer, or a null pointer (`null`, 0) without them: the
+/// kernels' `const int *lengths`.
+fn push_lengths<'a>(b: &mut LaunchArgs<'a>, lengths: &'a Lengths, null: &'a u64) {
+    match lengths {
+        Some(l) => b.arg(&**l),
+        None => b.arg(null),
+    };
 }
 
 /// The rows' log-sum-exp of the scaled scores (f32, one per query row of every matrix).
 type Lse = Arc<CudaSlice<f32>>;
 
-/// The forward: `softmax(q k^T * scale) v`, causal if asked, in the inputs' type.
+/// The forward: `softmax(q k^T * scale) v`, causal if asked, keys past `lengths` masked, in
+/// the inputs' type.
 struct Forward {
     scale: f32,
     causal: bool,
+    lengths: Lengths,
     /// Set by `cuda_fwd` and read by `bwd`.
     lse: Mutex<Option<Lse>>,
 }
@@ -124,7 +162,7 @@ impl CustomOp3 for Forward {
         l3: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
         let what = self.name();
-        let plan = plan_for(what, [s1, s2, s3], [l1, l2, l3])?;
+        let (plan, heads, group) = plan_for(what, [s1, s2, s3], [l1, l2, l3])?;
         let (bh, t, d) = dims(l1.shape());
         let dev = s1.device().clone();
         let kernels = module(&plan);
@@ -134,16 +172,22 @@ impl CustomOp3 for Forward {
         let o = alloc(&dev, s1.dtype(), bh * t * d, what)?;
         // SAFETY: the forward writes the LSE of every row of every matrix.
         let lse = unsafe { dev.alloc::<f32>(bh * t) }?;
-        // The kernels' 32-bit arguments (`flash_plan` checked that they fit).
-        let (bh_i, t_i, causal) = (bh as i32, t as i32, i32::from(self.causal));
+        // The kernels' 32-bit arguments (`flash_plan` checked that they fit; d <= 128).
+        let (bh_i, t_i, d_i, causal) = (bh as i32, t as i32, d as i32, i32::from(self.causal));
+        // heads and group divide bh (`grouping`, `flash_plan`): they fit too.
+        let (heads_i, group_i, null) = (heads as i32, group as i32, 0u64);
         let mut b = func.builder();
         push_in(&mut b, &q);
         push_in(&mut b, &k);
         push_in(&mut b, &v);
         push_out(&mut b, &o);
-        b.arg(&lse).arg(&bh_i).arg(&t_i).arg(&self.scale).arg(&causal);
-        // SAFETY: the arguments match `AMP_FLASH_FWD_ARGS` in order and type; q, k, v and o
-        // hold bh * t * d values of the kernel's type, lse bh * t f32 values.
+        b.arg(&lse).arg(&bh_i).arg(&t_i).arg(&d_i).arg(&self.scale).arg(&causal);
+        b.arg(&heads_i).arg(&group_i);
+        push_lengths(&mut b, &self.lengths, &null);
+        // SAFETY: the arguments match `AMP_FLASH_FWD_ARGS` in order and type; d is at most the
+        // kernel's head dimension (`flash_plan`); q and o hold bh * t * d values of the
+        // kernel's type, k and v bh / group * t * d, lse bh * t f32 values, lengths
+        // (`attention_with`) bh / heads i32 values or null.
         unsafe { b.launch(config(plan.forward.grid, plan.forward.block)) }.w()?;
         drop(b);
         *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(lse));
@@ -169,20 +213,28 @@ impl CustomOp3 for Forward {
         let op = Backward {
             scale: self.scale,
             causal: self.causal,
+            lengths: self.lengths.clone(),
             lse,
             o: crate::kernels::dense(res)?.detach(),
             dout: crate::kernels::dense(&grad_res.to_dtype(res.dtype())?)?.detach(),
         };
         let g = q.detach().apply_op3_no_bwd(&k.detach(), &v.detach(), &op)?;
-        Ok((Some(g.get(0)?), Some(g.get(1)?), Some(g.get(2)?)))
+        let (n, nkv) = (q.elem_count(), k.elem_count());
+        Ok((
+            Some(g.narrow(0, 0, n)?.reshape(q.shape())?),
+            Some(g.narrow(0, n, nkv)?.reshape(k.shape())?),
+            Some(g.narrow(0, n + nkv, nkv)?.reshape(v.shape())?),
+        ))
     }
 }
 
-/// The backward over `(q, k, v)`: `[dq, dk, dv]` stacked (shape `(3, ..q's shape)`), from the
-/// forward's output `o`, its gradient `dout` (both of q's type and shape, contiguous) and LSE.
+/// The backward over `(q, k, v)`: dq, dk and dv one after the other, flat (q's and twice k's
+/// element count), from the forward's output `o`, its gradient `dout` (both of q's type and
+/// shape, contiguous), LSE and key lengths.
 struct Backward {
     scale: f32,
     causal: bool,
+    lengths: Lengths,
     lse: Lse,
     o: Tensor,
     dout: Tensor,
@@ -215,7 +267,7 @@ impl CustomOp3 for Backward {
         l3: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
         let what = self.name();
-        let plan = plan_for(what, [s1, s2, s3], [l1, l2, l3])?;
+        let (plan, heads, group) = plan_for(what, [s1, s2, s3], [l1, l2, l3])?;
         let (bh, t, d) = dims(l1.shape());
         if self.o.shape() != l1.shape()
             || self.dout.shape() != l1.shape()
@@ -253,15 +305,18 @@ impl CustomOp3 for Backward {
         let rows = bh * t;
         // SAFETY: the Delta kernel writes every row's value.
         let delta = unsafe { dev.alloc::<f32>(rows) }?;
-        // dq, dk, dv one after the other; the dK/dV pass writes every key row of the last two
-        // thirds, the dQ pass every query row of the first.
-        let out = alloc(&dev, s1.dtype(), 3 * rows * d, what)?;
-        let (rows_i, bh_i, t_i, causal) = (rows as i32, bh as i32, t as i32, i32::from(self.causal));
+        // dq, dk, dv one after the other; the dK/dV pass writes every key row of the last two,
+        // the dQ pass every query row of the first.
+        let total = rows * d + 2 * (rows / group) * d;
+        let out = alloc(&dev, s1.dtype(), total, what)?;
+        let (rows_i, bh_i, t_i, d_i) = (rows as i32, bh as i32, t as i32, d as i32);
+        let causal = i32::from(self.causal);
+        let (heads_i, group_i, null) = (heads as i32, group as i32, 0u64);
         let lse: &CudaSlice<f32> = &self.lse;
         let mut b = pre_fn.builder();
         push_in(&mut b, &o);
         push_in(&mut b, &dout);
-        b.arg(&delta).arg(&rows_i);
+        b.arg(&delta).arg(&rows_i).arg(&d_i);
         // SAFETY: the arguments match `AMP_FLASH_PRE_ARGS`; o and dout hold rows * d values of
         // the kernel's type, delta rows f32 values.
         unsafe { b.launch(config(plan.pre.grid, plan.pre.block)) }.w()?;
@@ -274,30 +329,48 @@ impl CustomOp3 for Backward {
             push_in(&mut b, &dout);
             b.arg(lse).arg(&delta);
             push_out(&mut b, &out);
-            b.arg(&bh_i).arg(&t_i).arg(&self.scale).arg(&causal);
-            // SAFETY: the arguments match `AMP_FLASH_BWD_ARGS`; q, k, v and dout hold rows * d
-            // values of the kernel's type, lse and delta rows f32 values, out 3 * rows * d.
+            b.arg(&bh_i).arg(&t_i).arg(&d_i).arg(&self.scale).arg(&causal);
+            b.arg(&heads_i).arg(&group_i);
+            push_lengths(&mut b, &self.lengths, &null);
+            // SAFETY: the arguments match `AMP_FLASH_BWD_ARGS` (d at most the kernels' head
+            // dimension); q and dout hold rows * d values of the kernel's type, k and v
+            // rows / group * d, lse and delta rows f32 values, out `total`, lengths bh / heads
+            // i32 values or null.
             unsafe { b.launch(config(l.grid, l.block)) }.w()?;
         }
-        let mut shape = vec![3];
-        shape.extend_from_slice(l1.shape().dims());
-        Ok((wrap(out, dev), Shape::from(shape)))
+        Ok((wrap(out, dev), Shape::from(total)))
     }
 }
 
 /// Whether [`attention`] runs the kernels for `(q, k, v)`: on a CUDA device, one float type
-/// and one shape `(..., t, d)` for the three, a head dimension with kernels, sizes that fit
-/// their arguments (not empty), kernels that loaded.
+/// and one shape `(..., t, d)` for the three, a head dimension with kernels (a multiple of 8
+/// up to 128), sizes that fit their arguments (not empty), kernels that loaded. (Equal shapes only: the composed path of
+/// `nn::scaled_dot_product_attention`, its caller, takes no grouped heads, and the two paths
+/// accept the same inputs.)
 pub(crate) fn applies(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
+    k.shape() == q.shape() && applies_with(q, k, v, None)
+}
+
+/// Whether [`attention_with`] runs the kernels for `(q, k, v)` and `lengths`: as [`applies`],
+/// but k and v (of one shape) may have fewer heads than q (the third dimension from the end),
+/// a divisor of q's; `lengths`, if given, holds one length per batch entry (q's matrices over
+/// its heads).
+pub(crate) fn applies_with(q: &Tensor, k: &Tensor, v: &Tensor, lengths: Option<&[usize]>) -> bool {
     let Device::Cuda(dev) = q.device() else {
         return false;
     };
-    let same = |x: &Tensor| x.dtype() == q.dtype() && x.shape() == q.shape() && x.device().same_device(q.device());
-    if q.rank() < 2 || !same(k) || !same(v) {
+    let same = |x: &Tensor| x.dtype() == q.dtype() && x.device().same_device(q.device());
+    let Some((heads, group)) = grouping(q.shape(), k.shape(), v.shape()) else {
+        return false;
+    };
+    if !same(k) || !same(v) {
         return false;
     }
     let (bh, t, d) = dims(q.shape());
-    flash_plan(bh, t, d, q.dtype(), None, false).is_some() && available(dev)
+    if lengths.is_some_and(|l| l.len() * heads != bh) {
+        return false;
+    }
+    flash_plan(bh, group, t, d, q.dtype(), None, false).is_some() && available(dev)
 }
 
 /// `softmax(q k^T * scale) v` (causal if asked) on a CUDA device: `Ok(None)` where the kernels
@@ -307,6 +380,38 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: 
     if !applies(q, k, v) {
         return Ok(None);
     }
+    attention_with(q, k, v, scale, causal, None)
+}
+
+/// [`attention`] with grouped key/value heads (k and v of `(..., kv_heads, t, d)` for q's
+/// `(..., heads, t, d)`, query head `h` reading key/value head `h / (heads / kv_heads)`, no
+/// copies) and key lengths (keys at or past `lengths[i]` masked for batch entry `i`, lengths
+/// past `t` counting as `t`; an entry of length 0 gets output 0 and gradients 0): `Ok(None)`
+/// where the kernels do not apply (see [`applies_with`]). The gradients of k and v come back
+/// in their own shape, summed over each group in a fixed order.
+pub(crate) fn attention_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    causal: bool,
+    lengths: Option<&[usize]>,
+) -> Result<Option<Tensor>> {
+    if !applies_with(q, k, v, lengths) {
+        return Ok(None);
+    }
+    let Device::Cuda(dev) = q.device() else {
+        return Ok(None);
+    };
+    let t = q.dim(candle_core::D::Minus2)?;
+    // Clipped to t, which fits an i32 (`flash_plan`).
+    let lengths = match lengths {
+        Some(l) => {
+            let l: Vec<i32> = l.iter().map(|&n| n.min(t) as i32).collect();
+            Some(Arc::new(dev.clone_htod(&l)?))
+        }
+        None => None,
+    };
     let (q, k, v) = (
         crate::kernels::dense(q)?,
         crate::kernels::dense(k)?,
@@ -315,6 +420,7 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: 
     let op = Forward {
         scale: scale as f32,
         causal,
+        lengths,
         lse: Mutex::new(None),
     };
     Ok(Some(if q.track_op() || k.track_op() || v.track_op() {

@@ -1,8 +1,10 @@
 // flash.cu's attention on tensor cores, for f16 and bf16 on sm_80 and newer: the same passes
 // (forward with online softmax and LSE; dK/dV per key tile; dQ per query tile; flash.cu's
-// Delta kernel runs before the last two), the same masking and the same fixed summation order
-// per launch, with every product of two t x t x D shapes on `mma.sync.aligned.m16n8k16` (inputs
-// in the half type, f32 accumulators). The softmax, the scaling and the masks stay in f32.
+// Delta kernel runs before the last two), the same masking (causal, key lengths), the same
+// grouped key/value heads (read in place; dK/dV summed over the group in order) and the same
+// fixed summation order per launch, with every product of two t x t x D shapes on
+// `mma.sync.aligned.m16n8k16` (inputs in the half type, f32 accumulators). The softmax, the
+// scaling and the masks stay in f32.
 //
 // Rounding, unlike flash.cu's FMA path: P (forward and backward) and dS are rounded to the
 // inputs' half type before they multiply V, dO, Q or K, as FlashAttention-2 does (the row sums
@@ -21,7 +23,10 @@
 //
 // Tiles (AMP_FLASH_MMA_CONFIGS) keep static shared memory under 48 KiB: forward 64 queries x
 // 64 keys (Q fragments in registers, K and V in shared memory); dK/dV 64 keys per block, 64
-// (D = 64) or 16 (D = 128) queries per step; dQ 64 queries per block, 64 or 16 keys per step.
+// (D <= 64), 32 (D = 80, 96) or 16 (D = 128) queries per step; dQ 64 queries per block, as many
+// keys per step. Head dimensions as flash.cu's: D = 32, 48, 64, 80, 96, 128 (multiples of 16,
+// the mma's k), the tensors' d (a multiple of 8) an argument, columns d..D zeros in the tiles
+// and in Q's fragments, never stored.
 //
 // The mma: amp_mma_16816 below, inline PTX under __CUDA_ARCH__. Off the device (the CPU
 // emulator, tests/cuda_emu) it calls amp_emu_mma_16816 from tests/cuda_emu/mma.h, which
@@ -39,26 +44,22 @@
 // d += a * b on one 16 x 8 x 16 tile (the warp's 32 lanes together): a, b two 16-bit values per
 // word, low half first; the fragment layouts are the PTX ISA's for m16n8k16 (see the top).
 template <typename T> __device__ __forceinline__ void amp_mma_16816(float* d, const unsigned* a, const unsigned* b);
-template <> __device__ __forceinline__ void amp_mma_16816<amp_bf16>(float* d, const unsigned* a, const unsigned* b) {
 #if defined(__CUDA_ARCH__)
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#define AMP_MMA_16816(T, ty)                                                                           \
+    template <> __device__ __forceinline__ void amp_mma_16816<T>(float* d, const unsigned* a, const unsigned* b) { \
+        asm("mma.sync.aligned.m16n8k16.row.col.f32." #ty "." #ty ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "  \
+            "{%8,%9}, {%0,%1,%2,%3};"                                                                  \
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                           \
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));                       \
+    }
 #else
-    amp_emu_mma_16816<true>(d, a, b);
+#define AMP_MMA_16816(T, ty)                                                                           \
+    template <> __device__ __forceinline__ void amp_mma_16816<T>(float* d, const unsigned* a, const unsigned* b) { \
+        amp_emu_mma_16816<sizeof(#ty) == 5>(d, a, b); /* "bf16": bf16, "f16": f16 */                   \
+    }
 #endif
-}
-template <> __device__ __forceinline__ void amp_mma_16816<amp_f16>(float* d, const unsigned* a, const unsigned* b) {
-#if defined(__CUDA_ARCH__)
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#else
-    amp_emu_mma_16816<false>(d, a, b);
-#endif
-}
+AMP_MMA_16816(amp_bf16, bf16)
+AMP_MMA_16816(amp_f16, f16)
 
 // Two 16-bit values into one word, the first in the low half (the fragments' element order).
 __device__ __forceinline__ unsigned amp_pack(unsigned short lo, unsigned short hi) {
@@ -100,25 +101,26 @@ __device__ __forceinline__ void amp_st_u4(void* p, amp_u4 v) {
 #endif
 }
 
-// Rows [row0, row0 + R) of a (t, D) matrix into a shared tile of rows of D + 8 halves (their
-// 16-bit patterns; 16-byte aligned, as the rows' 2 D + 16 bytes keep every 8th column); rows
-// past t are zeros. All NT threads of the block take part: 16 bytes per load where the matrix
-// is 16-byte aligned (its rows are: 2 D bytes), else 2 (a view at an odd offset).
+// Rows [row0, row0 + R) of a (t, dh) matrix (dh <= D, a multiple of 8) into a shared tile of
+// rows of D + 8 halves (their 16-bit patterns; 16-byte aligned, as the rows' 2 D + 16 bytes keep
+// every 8th column); rows past t and columns past dh are zeros. All NT threads of the block
+// take part: 16 bytes per load where the matrix is 16-byte aligned (its rows are: 2 dh bytes),
+// else 2 (a view at an odd offset).
 template <typename T, int D, int R, int NT>
 __device__ __forceinline__ void amp_load_half_tile(unsigned short (*dst)[D + 8], const T* __restrict__ src, int row0,
-                                                   int t) {
+                                                   int t, int dh) {
     if ((reinterpret_cast<unsigned long long>(src) & 15ull) == 0) {
         constexpr int C = D / 8;
         for (int idx = threadIdx.x; idx < R * C; idx += NT) {
             const int r = idx / C, c = (idx - r * C) * 8;
             amp_u4 w = {0u, 0u, 0u, 0u};
-            if (row0 + r < t) w = amp_ld_u4(src + (long long)(row0 + r) * D + c);
+            if (row0 + r < t && c < dh) w = amp_ld_u4(src + (long long)(row0 + r) * dh + c);
             amp_st_u4(&dst[r][c], w);
         }
     } else {
         for (int idx = threadIdx.x; idx < R * D; idx += NT) {
             const int r = idx / D, c = idx - r * D;
-            dst[r][c] = row0 + r < t ? src[(long long)(row0 + r) * D + c].bits : (unsigned short)0;
+            dst[r][c] = row0 + r < t && c < dh ? src[(long long)(row0 + r) * dh + c].bits : (unsigned short)0;
         }
     }
 }
@@ -153,17 +155,30 @@ template <typename T> __device__ __forceinline__ void amp_c_to_a(unsigned* a, co
     a[2] = amp_pack_f32<T>(c1[0], c1[1]);
     a[3] = amp_pack_f32<T>(c1[2], c1[3]);
 }
-
 // The exponentials are exp2 of scores pre-multiplied by log2(e) (one instruction on the device
 // where expf is several; FlashAttention-2 does the same); LSE stays in natural-log units.
 #define AMP_LOG2E 1.4426950408889634f
 #define AMP_LN2 0.6931471805599453f
-
-// Whether query `row` sees key `col` (flash.cu's amp_flash_live).
-__device__ __forceinline__ bool amp_mma_live(int row, int col, int t, int causal) {
-    return row < t && col < t && (!causal || col <= row);
+// Whether query `row` (of t) sees key `col` of the first nk (flash.cu's amp_flash_live).
+__device__ __forceinline__ bool amp_mma_live(int row, int col, int t, int nk, int causal) {
+    return row < t && col < nk && (!causal || col <= row);
 }
-
+// The keys query matrix m sees (flash.cu's amp_flash_keys): lengths[m / heads] in [0, t], or t.
+__device__ __forceinline__ int amp_mma_keys(const int* __restrict__ lengths, int m, int heads, int t) {
+    if (lengths == nullptr) return t;
+    const int n = lengths[m / heads];
+    return n < 0 ? 0 : n < t ? n : t;
+}
+// The key tiles of BC a query tile of BR reads (flash.cu's amp_flash_kv_tiles).
+template <int BR, int BC>
+__device__ __forceinline__ int amp_mma_kv_tiles(int qt, int nk, int causal) {
+    int n = (nk + BC - 1) / BC;
+    if (causal) {
+        const int last = ((qt + 1) * BR - 1) / BC + 1;
+        n = last < n ? last : n;
+    }
+    return n;
+}
 // Max and sum over the 4 lanes of a row group (lanes 4 g .. 4 g + 3 hold a C row's columns).
 __device__ __forceinline__ float amp_quad_max(float v) {
     v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
@@ -178,30 +193,35 @@ __device__ __forceinline__ float amp_quad_sum(float v) {
 template <typename T, int D, int BR, int BC>
 __device__ __forceinline__ void amp_flash_fwd_mma(const T* __restrict__ q, const T* __restrict__ k,
                                                   const T* __restrict__ v, T* __restrict__ o, float* __restrict__ lse,
-                                                  int t, float scale, int causal) {
+                                                  int t, int dh, float scale, int causal, int heads, int group,
+                                                  const int* __restrict__ lengths) {
     constexpr int NT = BR * 2, KD = D / 16, NS = BC / 8, NO = D / 8, KB = BC / 16;
     __shared__ __attribute__((aligned(16))) unsigned short ks[BC][D + 8];
     __shared__ __attribute__((aligned(16))) unsigned short vs[BC][D + 8];
     const int q_tiles = (t + BR - 1) / BR;
     // Causal: the last query tiles (the most keys) first, as flash.cu.
     const int bh = blockIdx.x / q_tiles, qt = q_tiles - 1 - (blockIdx.x - bh * q_tiles);
-    const long long base = (long long)bh * t * D;
+    const long long base = (long long)bh * t * dh, kv_base = (long long)(bh / group) * t * dh;
+    const int nk = amp_mma_keys(lengths, bh, heads, t);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
     // This lane's two query rows (of the C layout): g and g + 8 of the warp's 16.
     const int row0 = qt * BR + warp * 16 + g, row1 = row0 + 8;
     // Q's A fragments, straight from global memory (read once); rows past t are zeros.
     unsigned qa[KD][4];
     {
-        const T* q0 = q + base + (long long)row0 * D;
-        const T* q1 = q + base + (long long)row1 * D;
+        const T* q0 = q + base + (long long)row0 * dh;
+        const T* q1 = q + base + (long long)row1 * dh;
         const bool in0 = row0 < t, in1 = row1 < t;
 #pragma unroll
         for (int kd = 0; kd < KD; kd++) {
+            // Columns past dh zeros, not the next row's (inf * 0 = NaN against K's zero columns;
+            // the last row's lie past the end); dh a multiple of 8: a pair is wholly in or out.
             const int c = kd * 16 + 2 * tg;
-            qa[kd][0] = in0 ? amp_pack(q0[c].bits, q0[c + 1].bits) : 0u;
-            qa[kd][1] = in1 ? amp_pack(q1[c].bits, q1[c + 1].bits) : 0u;
-            qa[kd][2] = in0 ? amp_pack(q0[c + 8].bits, q0[c + 9].bits) : 0u;
-            qa[kd][3] = in1 ? amp_pack(q1[c + 8].bits, q1[c + 9].bits) : 0u;
+            const bool lo = kd * 16 < dh, hi = kd * 16 + 8 < dh;
+            qa[kd][0] = in0 && lo ? amp_pack(q0[c].bits, q0[c + 1].bits) : 0u;
+            qa[kd][1] = in1 && lo ? amp_pack(q1[c].bits, q1[c + 1].bits) : 0u;
+            qa[kd][2] = in0 && hi ? amp_pack(q0[c + 8].bits, q0[c + 9].bits) : 0u;
+            qa[kd][3] = in1 && hi ? amp_pack(q1[c + 8].bits, q1[c + 9].bits) : 0u;
         }
     }
     const float ninf = amp_neg_inf();
@@ -212,16 +232,11 @@ __device__ __forceinline__ void amp_flash_fwd_mma(const T* __restrict__ q, const
     float acc[NO][4];
 #pragma unroll
     for (int n = 0; n < NO; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-    const int kv_tiles_all = (t + BC - 1) / BC;
-    int kv_tiles = kv_tiles_all;
-    if (causal) {
-        const int last = (qt + 1) * BR - 1;
-        kv_tiles = last / BC + 1 < kv_tiles_all ? last / BC + 1 : kv_tiles_all;
-    }
+    const int kv_tiles = amp_mma_kv_tiles<BR, BC>(qt, nk, causal);
     for (int kt = 0; kt < kv_tiles; kt++) {
         __syncthreads();  // the previous tile's K and V are no longer read
-        amp_load_half_tile<T, D, BC, NT>(ks, k + base, kt * BC, t);
-        amp_load_half_tile<T, D, BC, NT>(vs, v + base, kt * BC, t);
+        amp_load_half_tile<T, D, BC, NT>(ks, k + kv_base, kt * BC, nk, dh);
+        amp_load_half_tile<T, D, BC, NT>(vs, v + kv_base, kt * BC, nk, dh);
         __syncthreads();
         float s[NS][4];
 #pragma unroll
@@ -237,7 +252,7 @@ __device__ __forceinline__ void amp_flash_fwd_mma(const T* __restrict__ q, const
         }
         float mt[2] = {ninf, ninf};
         // The warp's 16 rows see every key of the tile (no mask to compute) or not.
-        const bool full = wrow + 15 < t && (kt + 1) * BC <= t && (!causal || (kt + 1) * BC - 1 <= wrow);
+        const bool full = wrow + 15 < t && (kt + 1) * BC <= nk && (!causal || (kt + 1) * BC - 1 <= wrow);
         if (full) {
 #pragma unroll
             for (int n = 0; n < NS; n++) {
@@ -253,7 +268,7 @@ __device__ __forceinline__ void amp_flash_fwd_mma(const T* __restrict__ q, const
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int col = kt * BC + n * 8 + 2 * tg + (e & 1);
-                    s[n][e] = amp_mma_live(e < 2 ? row0 : row1, col, t, causal) ? s[n][e] * scale2 : ninf;
+                    s[n][e] = amp_mma_live(e < 2 ? row0 : row1, col, t, nk, causal) ? s[n][e] * scale2 : ninf;
                     mt[e >> 1] = fmaxf(mt[e >> 1], s[n][e]);
                 }
             }
@@ -301,10 +316,12 @@ __device__ __forceinline__ void amp_flash_fwd_mma(const T* __restrict__ q, const
         const int row = h == 0 ? row0 : row1;
         const float lsum = amp_quad_sum(l[h]);
         if (row < t) {
-            T* orow = o + base + (long long)row * D;
-            const float inv = 1.0f / lsum;
+            T* orow = o + base + (long long)row * dh;
+            // No live key (nk = 0): the output 0 (not 0 / 0), the LSE -inf.
+            const float inv = nk > 0 ? 1.0f / lsum : 0.0f;
 #pragma unroll
             for (int n = 0; n < NO; n++) {
+                if (n * 8 >= dh) break;  // columns past dh (dh a multiple of 8)
                 orow[n * 8 + 2 * tg] = amp_from_f32<T>(acc[n][2 * h] * inv);
                 orow[n * 8 + 2 * tg + 1] = amp_from_f32<T>(acc[n][2 * h + 1] * inv);
             }
@@ -318,8 +335,8 @@ template <typename T, int D, int BR, int BC>
 __device__ __forceinline__ void amp_flash_dkv_mma(const T* __restrict__ q, const T* __restrict__ k,
                                                   const T* __restrict__ v, const T* __restrict__ dout,
                                                   const float* __restrict__ lse, const float* __restrict__ delta,
-                                                  T* __restrict__ dk, T* __restrict__ dv, int t, float scale,
-                                                  int causal) {
+                                                  T* __restrict__ dk, T* __restrict__ dv, int t, int dh, float scale,
+                                                  int causal, int heads, int group, const int* __restrict__ lengths) {
     constexpr int NT = BC * 2, KD = D / 16, NQ = BR / 8, NO = D / 8, KB = BR / 16;
     __shared__ __attribute__((aligned(16))) unsigned short ks[BC][D + 8];
     __shared__ __attribute__((aligned(16))) unsigned short vs[BC][D + 8];
@@ -328,80 +345,88 @@ __device__ __forceinline__ void amp_flash_dkv_mma(const T* __restrict__ q, const
     __shared__ float lse_s[BR];
     __shared__ float del_s[BR];
     const int k_tiles = (t + BC - 1) / BC;
-    const int bh = blockIdx.x / k_tiles, kt = blockIdx.x - bh * k_tiles;
-    const long long base = (long long)bh * t * D;
+    // kvm: the key/value matrix, read by query matrices kvm * group + 0 .. group - 1 (one batch
+    // entry: one key length).
+    const int kvm = blockIdx.x / k_tiles, kt = blockIdx.x - kvm * k_tiles;
+    const long long kv_base = (long long)kvm * t * dh;
+    const int nk = amp_mma_keys(lengths, kvm * group, heads, t);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
     const int kr = warp * 16;  // the warp's first key row in the tile
     const int col0 = kt * BC + kr + g, col1 = col0 + 8;  // this lane's key rows
     const float scale2 = scale * AMP_LOG2E;
-    amp_load_half_tile<T, D, BC, NT>(ks, k + base, kt * BC, t);
-    amp_load_half_tile<T, D, BC, NT>(vs, v + base, kt * BC, t);
+    amp_load_half_tile<T, D, BC, NT>(ks, k + kv_base, kt * BC, nk, dh);
+    amp_load_half_tile<T, D, BC, NT>(vs, v + kv_base, kt * BC, nk, dh);
     float gk[NO][4], gv[NO][4];
 #pragma unroll
     for (int n = 0; n < NO; n++) {
 #pragma unroll
         for (int e = 0; e < 4; e++) gk[n][e] = gv[n][e] = 0.0f;
     }
-    const int q_tiles = (t + BR - 1) / BR;
-    for (int qt = causal ? (kt * BC) / BR : 0; qt < q_tiles; qt++) {
-        __syncthreads();  // the previous tile's Q, dO and statistics are no longer read
-        amp_load_half_tile<T, D, BR, NT>(qs, q + base, qt * BR, t);
-        amp_load_half_tile<T, D, BR, NT>(dos, dout + base, qt * BR, t);
-        for (int i = threadIdx.x; i < BR; i += NT) {
-            const bool in = qt * BR + i < t;
-            lse_s[i] = in ? lse[(long long)bh * t + qt * BR + i] * AMP_LOG2E : 0.0f;
-            del_s[i] = in ? delta[(long long)bh * t + qt * BR + i] : 0.0f;
-        }
-        __syncthreads();
-        // S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys x BR queries.
-        float s[NQ][4], dp[NQ][4];
-#pragma unroll
-        for (int n = 0; n < NQ; n++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) s[n][e] = dp[n][e] = 0.0f;
-        }
-#pragma unroll
-        for (int kd = 0; kd < KD; kd++) {
-            unsigned ka[4], va[4];
-            amp_frag_a(ka, ks, kr, kd * 16, g, tg);
-            amp_frag_a(va, vs, kr, kd * 16, g, tg);
+    // No query sees a tile wholly past the key length (its gradients stay 0).
+    const int q_tiles = kt * BC < nk ? (t + BR - 1) / BR : 0;
+    // The group's query matrices in order, and in each its query tiles: one fixed order.
+    for (int hg = 0; hg < group; hg++) {
+        const long long m = (long long)kvm * group + hg, base = m * t * dh;
+        for (int qt = causal ? (kt * BC) / BR : 0; qt < q_tiles; qt++) {
+            __syncthreads();  // the previous tile's Q, dO and statistics are no longer read
+            amp_load_half_tile<T, D, BR, NT>(qs, q + base, qt * BR, t, dh);
+            amp_load_half_tile<T, D, BR, NT>(dos, dout + base, qt * BR, t, dh);
+            for (int i = threadIdx.x; i < BR; i += NT) {
+                const bool in = qt * BR + i < t;
+                lse_s[i] = in ? lse[m * t + qt * BR + i] * AMP_LOG2E : 0.0f;
+                del_s[i] = in ? delta[m * t + qt * BR + i] : 0.0f;
+            }
+            __syncthreads();
+            // S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys x BR queries.
+            float s[NQ][4], dp[NQ][4];
 #pragma unroll
             for (int n = 0; n < NQ; n++) {
-                unsigned b[2];
-                amp_frag_bt(b, qs, n * 8, kd * 16, g, tg);
-                amp_mma_16816<T>(s[n], ka, b);
-                amp_frag_bt(b, dos, n * 8, kd * 16, g, tg);
-                amp_mma_16816<T>(dp[n], va, b);
+#pragma unroll
+                for (int e = 0; e < 4; e++) s[n][e] = dp[n][e] = 0.0f;
             }
-        }
-        // P^T recomputed from the forward's LSE (masked entries exactly 0), dS^T = P^T (dP^T - Delta).
-        // The warp's 16 keys are seen by every query of the tile (no mask to compute) or not.
-        const int wkey = kt * BC + kr;
-        const bool full = (qt + 1) * BR <= t && wkey + 15 < t && (!causal || wkey + 15 <= qt * BR);
 #pragma unroll
-        for (int n = 0; n < NQ; n++) {
+            for (int kd = 0; kd < KD; kd++) {
+                unsigned ka[4], va[4];
+                amp_frag_a(ka, ks, kr, kd * 16, g, tg);
+                amp_frag_a(va, vs, kr, kd * 16, g, tg);
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int i = n * 8 + 2 * tg + (e & 1);
-                const bool live = full || amp_mma_live(qt * BR + i, e < 2 ? col0 : col1, t, causal);
-                const float p = live ? exp2f(s[n][e] * scale2 - lse_s[i]) : 0.0f;
-                s[n][e] = p;
-                dp[n][e] = p * (dp[n][e] - del_s[i]);
+                for (int n = 0; n < NQ; n++) {
+                    unsigned b[2];
+                    amp_frag_bt(b, qs, n * 8, kd * 16, g, tg);
+                    amp_mma_16816<T>(s[n], ka, b);
+                    amp_frag_bt(b, dos, n * 8, kd * 16, g, tg);
+                    amp_mma_16816<T>(dp[n], va, b);
+                }
             }
-        }
-        // dV += P^T dO and dK += dS^T Q, P and dS rounded to T.
+            // P^T recomputed from the forward's LSE (masked entries exactly 0), dS^T = P^T (dP^T - Delta).
+            // The warp's 16 keys are seen by every query of the tile (no mask to compute) or not.
+            const int wkey = kt * BC + kr;
+            const bool full = (qt + 1) * BR <= t && wkey + 15 < nk && (!causal || wkey + 15 <= qt * BR);
 #pragma unroll
-        for (int kb = 0; kb < KB; kb++) {
-            unsigned pa[4], da[4];
-            amp_c_to_a<T>(pa, s[2 * kb], s[2 * kb + 1]);
-            amp_c_to_a<T>(da, dp[2 * kb], dp[2 * kb + 1]);
+            for (int n = 0; n < NQ; n++) {
 #pragma unroll
-            for (int n = 0; n < NO; n++) {
-                unsigned b[2];
-                amp_frag_b(b, dos, kb * 16, n * 8, g, tg);
-                amp_mma_16816<T>(gv[n], pa, b);
-                amp_frag_b(b, qs, kb * 16, n * 8, g, tg);
-                amp_mma_16816<T>(gk[n], da, b);
+                for (int e = 0; e < 4; e++) {
+                    const int i = n * 8 + 2 * tg + (e & 1);
+                    const bool live = full || amp_mma_live(qt * BR + i, e < 2 ? col0 : col1, t, nk, causal);
+                    const float p = live ? exp2f(s[n][e] * scale2 - lse_s[i]) : 0.0f;
+                    s[n][e] = p;
+                    dp[n][e] = p * (dp[n][e] - del_s[i]);
+                }
+            }
+            // dV += P^T dO and dK += dS^T Q, P and dS rounded to T.
+#pragma unroll
+            for (int kb = 0; kb < KB; kb++) {
+                unsigned pa[4], da[4];
+                amp_c_to_a<T>(pa, s[2 * kb], s[2 * kb + 1]);
+                amp_c_to_a<T>(da, dp[2 * kb], dp[2 * kb + 1]);
+#pragma unroll
+                for (int n = 0; n < NO; n++) {
+                    unsigned b[2];
+                    amp_frag_b(b, dos, kb * 16, n * 8, g, tg);
+                    amp_mma_16816<T>(gv[n], pa, b);
+                    amp_frag_b(b, qs, kb * 16, n * 8, g, tg);
+                    amp_mma_16816<T>(gk[n], da, b);
+                }
             }
         }
     }
@@ -409,9 +434,10 @@ __device__ __forceinline__ void amp_flash_dkv_mma(const T* __restrict__ q, const
     for (int h = 0; h < 2; h++) {
         const int col = h == 0 ? col0 : col1;
         if (col < t) {
-            const long long off = base + (long long)col * D;
+            const long long off = kv_base + (long long)col * dh;
 #pragma unroll
             for (int n = 0; n < NO; n++) {
+                if (n * 8 >= dh) break;
                 const int c = n * 8 + 2 * tg;
                 dk[off + c] = amp_from_f32<T>(gk[n][2 * h] * scale);
                 dk[off + c + 1] = amp_from_f32<T>(gk[n][2 * h + 1] * scale);
@@ -427,7 +453,8 @@ template <typename T, int D, int BR, int BC>
 __device__ __forceinline__ void amp_flash_dq_mma(const T* __restrict__ q, const T* __restrict__ k,
                                                  const T* __restrict__ v, const T* __restrict__ dout,
                                                  const float* __restrict__ lse, const float* __restrict__ delta,
-                                                 T* __restrict__ dq, int t, float scale, int causal) {
+                                                 T* __restrict__ dq, int t, int dh, float scale, int causal,
+                                                 int heads, int group, const int* __restrict__ lengths) {
     constexpr int NT = BR * 2, KD = D / 16, NK = BC / 8, NO = D / 8, KB = BC / 16;
     __shared__ __attribute__((aligned(16))) unsigned short qs[BR][D + 8];
     __shared__ __attribute__((aligned(16))) unsigned short dos[BR][D + 8];
@@ -435,12 +462,13 @@ __device__ __forceinline__ void amp_flash_dq_mma(const T* __restrict__ q, const 
     __shared__ __attribute__((aligned(16))) unsigned short vs[BC][D + 8];
     const int q_tiles = (t + BR - 1) / BR;
     const int bh = blockIdx.x / q_tiles, qt = q_tiles - 1 - (blockIdx.x - bh * q_tiles);
-    const long long base = (long long)bh * t * D;
+    const long long base = (long long)bh * t * dh, kv_base = (long long)(bh / group) * t * dh;
+    const int nk = amp_mma_keys(lengths, bh, heads, t);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
     const int qr = warp * 16;
     const int row0 = qt * BR + qr + g, row1 = row0 + 8;
-    amp_load_half_tile<T, D, BR, NT>(qs, q + base, qt * BR, t);
-    amp_load_half_tile<T, D, BR, NT>(dos, dout + base, qt * BR, t);
+    amp_load_half_tile<T, D, BR, NT>(qs, q + base, qt * BR, t, dh);
+    amp_load_half_tile<T, D, BR, NT>(dos, dout + base, qt * BR, t, dh);
     const long long so = (long long)bh * t;
     // LSE in log2 units, as the exponent below takes it.
     const float lse0 = row0 < t ? lse[so + row0] * AMP_LOG2E : 0.0f;
@@ -450,16 +478,11 @@ __device__ __forceinline__ void amp_flash_dq_mma(const T* __restrict__ q, const 
     float gq[NO][4];
 #pragma unroll
     for (int n = 0; n < NO; n++) gq[n][0] = gq[n][1] = gq[n][2] = gq[n][3] = 0.0f;
-    const int kv_tiles_all = (t + BC - 1) / BC;
-    int kv_tiles = kv_tiles_all;
-    if (causal) {
-        const int last = (qt + 1) * BR - 1;
-        kv_tiles = last / BC + 1 < kv_tiles_all ? last / BC + 1 : kv_tiles_all;
-    }
+    const int kv_tiles = amp_mma_kv_tiles<BR, BC>(qt, nk, causal);
     for (int kt = 0; kt < kv_tiles; kt++) {
         __syncthreads();  // the previous tile's K and V are no longer read
-        amp_load_half_tile<T, D, BC, NT>(ks, k + base, kt * BC, t);
-        amp_load_half_tile<T, D, BC, NT>(vs, v + base, kt * BC, t);
+        amp_load_half_tile<T, D, BC, NT>(ks, k + kv_base, kt * BC, nk, dh);
+        amp_load_half_tile<T, D, BC, NT>(vs, v + kv_base, kt * BC, nk, dh);
         __syncthreads();
         float s[NK][4], dp[NK][4];
 #pragma unroll
@@ -483,13 +506,13 @@ __device__ __forceinline__ void amp_flash_dq_mma(const T* __restrict__ q, const 
         }
         // The warp's 16 rows see every key of the tile (no mask to compute) or not.
         const int wrow = qt * BR + qr;
-        const bool full = wrow + 15 < t && (kt + 1) * BC <= t && (!causal || (kt + 1) * BC - 1 <= wrow);
+        const bool full = wrow + 15 < t && (kt + 1) * BC <= nk && (!causal || (kt + 1) * BC - 1 <= wrow);
 #pragma unroll
         for (int n = 0; n < NK; n++) {
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int col = kt * BC + n * 8 + 2 * tg + (e & 1);
-                const bool live = full || amp_mma_live(e < 2 ? row0 : row1, col, t, causal);
+                const bool live = full || amp_mma_live(e < 2 ? row0 : row1, col, t, nk, causal);
                 const float p = live ? exp2f(s[n][e] * scale2 - (e < 2 ? lse0 : lse1)) : 0.0f;
                 dp[n][e] = p * (dp[n][e] - (e < 2 ? del0 : del1));
             }
@@ -511,9 +534,10 @@ __device__ __forceinline__ void amp_flash_dq_mma(const T* __restrict__ q, const 
     for (int h = 0; h < 2; h++) {
         const int row = h == 0 ? row0 : row1;
         if (row < t) {
-            const long long off = base + (long long)row * D;
+            const long long off = base + (long long)row * dh;
 #pragma unroll
             for (int n = 0; n < NO; n++) {
+                if (n * 8 >= dh) break;
                 const int c = n * 8 + 2 * tg;
                 dq[off + c] = amp_from_f32<T>(gq[n][2 * h] * scale);
                 dq[off + c + 1] = amp_from_f32<T>(gq[n][2 * h + 1] * scale);
@@ -527,31 +551,47 @@ __device__ __forceinline__ void amp_flash_dq_mma(const T* __restrict__ q, const 
 // does not see the other's macros on the device).
 #define AMP_FLASH_MMA_TYPES(X, ...) X(amp_f16, f16, __VA_ARGS__) X(amp_bf16, bf16, __VA_ARGS__)
 
-// (head dim, forward BR x BC, dK/dV BR x BC, dQ BR x BC): src/kernels/cuda/flash.rs's
-// MMA_TILES repeats these numbers. Threads per block: 2 x the tile's own rows (16 per warp).
+// (head dim, forward BR x BC, dK/dV BR x BC, dQ BR x BC). Threads per block: 2 x the tile's
+// own rows (16 per warp): 128 in every pass, as src/kernels/cuda/flash.rs's plan launches.
 #define AMP_FLASH_MMA_CONFIGS(X, ...)                                                                  \
+    X(32, 64, 64, 64, 64, 64, 64, __VA_ARGS__)                                                         \
+    X(48, 64, 64, 64, 64, 64, 64, __VA_ARGS__)                                                         \
     X(64, 64, 64, 64, 64, 64, 64, __VA_ARGS__)                                                         \
+    X(80, 64, 64, 32, 64, 64, 32, __VA_ARGS__)                                                         \
+    X(96, 64, 64, 32, 64, 64, 32, __VA_ARGS__)                                                         \
     X(128, 64, 64, 16, 64, 64, 16, __VA_ARGS__)
 
+// The dQ pass at 4 blocks of 128 threads per SM (128 registers a thread): without the bound
+// the key/value matrix's own offset (grouped heads) takes it to 164 registers at D = 64, 3
+// blocks; with it ptxas fits 128 without spilling. The emulator has no such attribute.
+#if defined(__CUDA_ARCH__)
+#define AMP_FLASH_MMA_DQ_BOUNDS __launch_bounds__(128, 4)
+#else
+#define AMP_FLASH_MMA_DQ_BOUNDS
+#endif
+
 #define AMP_FLASH_MMA_FWD_ARGS                                                                         \
-    const void *q, const void *k, const void *v, void *o, float *lse, int bh, int t, float scale, int causal
+    const void *q, const void *k, const void *v, void *o, float *lse, int bh, int t, int d, float scale, \
+        int causal, int heads, int group, const int *lengths
 #define AMP_FLASH_MMA_BWD_ARGS                                                                         \
     const void *q, const void *k, const void *v, const void *dout, const float *lse, const float *delta, \
-        void *dqkv, int bh, int t, float scale, int causal
+        void *dqkv, int bh, int t, int d, float scale, int causal, int heads, int group, const int *lengths
 
 #define AMP_FLASH_MMA_DEFINE(T, nt, D, FR, FC, KR, KC, QR, QC)                                         \
     extern "C" __global__ void amp_flash_fwd_##nt##_d##D##m(AMP_FLASH_MMA_FWD_ARGS) {                  \
-        amp_flash_fwd_mma<T, D, FR, FC>((const T*)q, (const T*)k, (const T*)v, (T*)o, lse, t, scale,   \
-                                        causal);                                                       \
+        amp_flash_fwd_mma<T, D, FR, FC>((const T*)q, (const T*)k, (const T*)v, (T*)o, lse, t, d, scale, \
+                                        causal, heads, group, lengths);                                \
     }                                                                                                  \
     extern "C" __global__ void amp_flash_bwd_dkv_##nt##_d##D##m(AMP_FLASH_MMA_BWD_ARGS) {              \
-        const long long n = (long long)bh * t * D;                                                     \
+        const long long n = (long long)bh * t * d, nkv = (long long)(bh / group) * t * d;              \
         amp_flash_dkv_mma<T, D, KR, KC>((const T*)q, (const T*)k, (const T*)v, (const T*)dout, lse,    \
-                                        delta, (T*)dqkv + n, (T*)dqkv + 2 * n, t, scale, causal);      \
+                                        delta, (T*)dqkv + n, (T*)dqkv + n + nkv, t, d, scale, causal,  \
+                                        heads, group, lengths);                                        \
     }                                                                                                  \
-    extern "C" __global__ void amp_flash_bwd_dq_##nt##_d##D##m(AMP_FLASH_MMA_BWD_ARGS) {               \
+    extern "C" __global__ void AMP_FLASH_MMA_DQ_BOUNDS                                                 \
+        amp_flash_bwd_dq_##nt##_d##D##m(AMP_FLASH_MMA_BWD_ARGS) {                                      \
         amp_flash_dq_mma<T, D, QR, QC>((const T*)q, (const T*)k, (const T*)v, (const T*)dout, lse,     \
-                                       delta, (T*)dqkv, t, scale, causal);                             \
+                                       delta, (T*)dqkv, t, d, scale, causal, heads, group, lengths);   \
     }
 #define AMP_FLASH_MMA_DEFINE_TYPES(D, FR, FC, KR, KC, QR, QC, _)                                       \
     AMP_FLASH_MMA_TYPES(AMP_FLASH_MMA_DEFINE, D, FR, FC, KR, KC, QR, QC)

@@ -6,17 +6,22 @@
 //! FlashAttention-2's tiling, forward and backward; [`multi_tensor`]: the optimizer side, the
 //! unscale and finite check and the AdamW/SGD updates over all parameters in one launch;
 //! [`rows`]: a linear layer's bias + GELU and the add of two float types fused with its cast,
-//! forward and backward),
+//! forward and backward; [`rope`]: the rotary position embedding, forward and backward;
+//! [`gated`]: a gated MLP's product `act(gate) * up` and GELU's tanh form, forward and backward;
+//! [`embed`]: the embedding lookup and its backward summed in f32),
 //! built and loaded through `nvrtc.rs` from a shared `prelude.cuh`.
 
 #[cfg(feature = "cuda")]
 pub(crate) mod buffers;
+pub(crate) mod embed;
 pub(crate) mod flash;
+pub(crate) mod gated;
 pub(crate) mod multi_tensor;
 pub(crate) mod norm;
 #[cfg(feature = "cuda")]
 mod nvrtc;
 pub(crate) mod pool;
+pub(crate) mod rope;
 pub(crate) mod rows;
 pub(crate) mod softmax;
 pub(crate) mod xent;

@@ -1,5 +1,5 @@
 // Row kernels for two places where candle on CUDA runs several generic kernels: a linear
-// layer's bias + GELU (erf form), and the residual add between tensors of different float
+// layer's bias + GELU (erf or tanh form), and the residual add between tensors of different float
 // types (PyTorch's promotion) fused with its cast.
 //
 //   bias + GELU:  p = h + bias (f32 arithmetic, rounded to h's type where the bias has it, as
@@ -13,7 +13,8 @@
 //
 // No atomics: every sum is in a fixed order (rows in order within a chunk, chunks in order),
 // so a result is the same on every run. Φ(x) = erfc(-x/√2) / 2 keeps its relative precision in
-// the negative tail, where 1 + erf(x/√2) would cancel.
+// the negative tail, where 1 + erf(x/√2) would cancel; the tanh form likewise as
+// x σ(2v), v = √(2/π) (x + 0.044715 x³), where x/2 (1 + tanh v) would cancel (see gated.cu).
 // Compiled at run time by NVRTC (rows_device.rs) and, unmodified, by g++ with the CPU grid
 // emulator (tests/cuda_emu/emu.h). It includes only prelude.cuh (see softmax.cu).
 //
@@ -23,6 +24,7 @@
 //   amp_bias_gelu_fwd_{h}_{b}_{y}: y from h and bias;
 //   amp_bias_gelu_bwd_{h}_{b}_{y}: dh from h, bias and dy, and the chunk's column sums of dp
 //                                  (none where `part` is null);
+//   amp_bias_gelu_tanh_{fwd,bwd}_{h}_{b}_{y}: the same with GELU's tanh form;
 //   amp_add_{a}_{b}_{o}:           out from a and b (b one row where b_bcast);
 //   amp_colsum_part_{g}:           the chunk's column sums of g;
 //   amp_colsum_sum_{o}:            one thread per column: Σ over the chunks, in order.
@@ -37,6 +39,26 @@ __device__ __forceinline__ float amp_gelu(float x) { return x * amp_gelu_cdf(x);
 __device__ __forceinline__ float amp_gelu_grad(float x) {
     return amp_gelu_cdf(x) + x * 0.39894228040143268f * expf(-0.5f * x * x);
 }
+
+// The two forms as template arguments. The tanh form: 2v = 2 √(2/π) (x + 0.044715 x³),
+// gelu = x σ(2v), gelu' = s + 2 x s (1 - s) √(2/π) (1 + 3 · 0.044715 x²), s = σ(2v), with
+// 1 - s = e / (1 + e), e = e^-2v (1 where e is inf), so neither tail cancels.
+struct AmpGeluErfForm {
+    static __device__ __forceinline__ float fwd(float x) { return amp_gelu(x); }
+    static __device__ __forceinline__ float grad(float x) { return amp_gelu_grad(x); }
+};
+struct AmpGeluTanhForm {
+    static __device__ __forceinline__ float two_v(float x) {
+        return 2.0f * 0.79788456080286536f * (x + 0.044715f * x * x * x);
+    }
+    static __device__ __forceinline__ float fwd(float x) { return x / (1.0f + expf(-two_v(x))); }
+    static __device__ __forceinline__ float grad(float x) {
+        const float e = expf(-two_v(x));
+        const float d = 1.0f + e;
+        const float s = 1.0f / d, r = e > 3.0e38f ? 1.0f : e / d;
+        return s + 2.0f * x * s * r * (0.79788456080286536f * (1.0f + 3.0f * 0.044715f * x * x));
+    }
+};
 
 // The pre-activation (and its gradient) in the type the unfused add would give it: rounded
 // to h's type where the bias has that type too, kept in f32 where the bias is f32 (PyTorch's
@@ -63,7 +85,7 @@ __device__ __forceinline__ bool amp_tile(AmpTile& t, int rows, int cols, int row
     return true;
 }
 
-template <typename TH, typename TB, typename TY>
+template <typename G, typename TH, typename TB, typename TY>
 __device__ __forceinline__ void amp_bias_gelu_fwd(const TH* __restrict__ h, const TB* __restrict__ bias,
                                                   TY* __restrict__ y, int rows, int cols, int rows_per_chunk,
                                                   int col_tiles) {
@@ -74,11 +96,11 @@ __device__ __forceinline__ void amp_bias_gelu_fwd(const TH* __restrict__ h, cons
     for (long long r = t.r0; r < t.r1; r++) {
         const long long i = r * cols + t.col;
         const float p = AmpPre<TH, TB>::round(amp_to_f32(h[i]) + b);
-        y[i] = amp_from_f32<TY>(amp_gelu(p));
+        y[i] = amp_from_f32<TY>(G::fwd(p));
     }
 }
 
-template <typename TH, typename TB, typename TY>
+template <typename G, typename TH, typename TB, typename TY>
 __device__ __forceinline__ void amp_bias_gelu_bwd(const TH* __restrict__ h, const TB* __restrict__ bias,
                                                   const TY* __restrict__ dy, TH* __restrict__ dh,
                                                   float* __restrict__ part, int rows, int cols, int rows_per_chunk,
@@ -91,7 +113,7 @@ __device__ __forceinline__ void amp_bias_gelu_bwd(const TH* __restrict__ h, cons
     for (long long r = t.r0; r < t.r1; r++) {
         const long long i = r * cols + t.col;
         const float p = AmpPre<TH, TB>::round(amp_to_f32(h[i]) + b);
-        const float dp = AmpPre<TH, TB>::round(amp_to_f32(dy[i]) * amp_gelu_grad(p));
+        const float dp = AmpPre<TH, TB>::round(amp_to_f32(dy[i]) * G::grad(p));
         dh[i] = amp_from_f32<TH>(dp);
         s += dp;
     }
@@ -170,15 +192,18 @@ __device__ __forceinline__ void amp_colsum_sum(const float* __restrict__ part, T
 #define AMP_COLSUM_PART_ARGS const void *g, float *part, int rows, int cols, int rows_per_chunk, int col_tiles
 #define AMP_COLSUM_SUM_ARGS const float *part, void *out, int cols, int chunks
 
-#define AMP_BIAS_GELU_DEFINE(TH, nh, TB, nb, TY, ny)                                                            \
-    extern "C" __global__ void amp_bias_gelu_fwd_##nh##_##nb##_##ny(AMP_BIAS_GELU_FWD_ARGS) {                   \
-        amp_bias_gelu_fwd<TH, TB, TY>((const TH*)h, (const TB*)bias, (TY*)y, rows, cols, rows_per_chunk,        \
-                                      col_tiles);                                                               \
+#define AMP_BIAS_GELU_DEFINE_FORM(G, form, TH, nh, TB, nb, TY, ny)                                              \
+    extern "C" __global__ void amp_bias_##form##_fwd_##nh##_##nb##_##ny(AMP_BIAS_GELU_FWD_ARGS) {               \
+        amp_bias_gelu_fwd<G, TH, TB, TY>((const TH*)h, (const TB*)bias, (TY*)y, rows, cols, rows_per_chunk,     \
+                                         col_tiles);                                                            \
     }                                                                                                           \
-    extern "C" __global__ void amp_bias_gelu_bwd_##nh##_##nb##_##ny(AMP_BIAS_GELU_BWD_ARGS) {                   \
-        amp_bias_gelu_bwd<TH, TB, TY>((const TH*)h, (const TB*)bias, (const TY*)dy, (TH*)dh, part, rows,        \
-                                      cols, rows_per_chunk, col_tiles);                                         \
+    extern "C" __global__ void amp_bias_##form##_bwd_##nh##_##nb##_##ny(AMP_BIAS_GELU_BWD_ARGS) {               \
+        amp_bias_gelu_bwd<G, TH, TB, TY>((const TH*)h, (const TB*)bias, (const TY*)dy, (TH*)dh, part, rows,     \
+                                         cols, rows_per_chunk, col_tiles);                                      \
     }
+#define AMP_BIAS_GELU_DEFINE(TH, nh, TB, nb, TY, ny)                                                            \
+    AMP_BIAS_GELU_DEFINE_FORM(AmpGeluErfForm, gelu, TH, nh, TB, nb, TY, ny)                                     \
+    AMP_BIAS_GELU_DEFINE_FORM(AmpGeluTanhForm, gelu_tanh, TH, nh, TB, nb, TY, ny)
 AMP_BIAS_GELU_TYPES(AMP_BIAS_GELU_DEFINE)
 
 #define AMP_ADD_DEFINE(TA, na, TB, nb, TO, no)                                                                  \

@@ -2,7 +2,8 @@
 //! fused with its cast, each one pass where candle runs several generic kernels.
 //!
 //! * **Bias + GELU** (`y = gelu(h + bias)`, the erf form of candle's `gelu_erf` and PyTorch's
-//!   default): on CUDA a linear layer with a bias and GELU was `broadcast_add` and `gelu_erf`
+//!   default, or the tanh form of candle's `gelu` and PyTorch's `approximate="tanh"`): on
+//!   CUDA a linear layer with a bias and GELU was `broadcast_add` and `gelu_erf` (or `gelu`)
 //!   forward, and their backwards (about six kernels for GELU's, a sum for the bias) after
 //!   it. Here the product runs without its bias and one kernel adds the bias and applies
 //!   GELU, in f32 arithmetic; the pre-activation is rounded to the product's type where the
@@ -69,9 +70,10 @@ pub struct Tiles {
 /// The launches of one bias + GELU over `rows` rows of `cols` values.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BiasGeluPlan {
-    /// `amp_bias_gelu_fwd_{h}_{b}_{y}`.
+    /// `amp_bias_gelu_fwd_{h}_{b}_{y}` (the tanh form: `amp_bias_gelu_tanh_fwd_...`).
     pub forward: RowsLaunch,
-    /// `amp_bias_gelu_bwd_{h}_{b}_{y}`: `dh` and the chunks' column sums.
+    /// `amp_bias_gelu_bwd_{h}_{b}_{y}` (`amp_bias_gelu_tanh_bwd_...`): `dh` and the chunks'
+    /// column sums.
     pub backward: RowsLaunch,
     /// `amp_colsum_sum_{b}`: the bias gradient from the column sums.
     pub sum: RowsLaunch,
@@ -154,13 +156,23 @@ fn sum_launch(cols: usize, out: DType) -> Option<RowsLaunch> {
 /// or f32) into `y_dt` (`h_dt` or f32), or `None` where no kernel applies (another type, an
 /// empty tensor, sizes past the kernels' 32-bit arguments).
 pub fn bias_gelu_plan(rows: usize, cols: usize, h_dt: DType, bias_dt: DType, y_dt: DType) -> Option<BiasGeluPlan> {
+    form_plan("gelu", rows, cols, h_dt, bias_dt, y_dt)
+}
+
+/// [`bias_gelu_plan`] for GELU's tanh form (`amp_bias_gelu_tanh_*` kernels).
+pub fn bias_gelu_tanh_plan(rows: usize, cols: usize, h_dt: DType, bias_dt: DType, y_dt: DType) -> Option<BiasGeluPlan> {
+    form_plan("gelu_tanh", rows, cols, h_dt, bias_dt, y_dt)
+}
+
+/// The plan of bias + GELU in the form the kernel names' `form` part says.
+fn form_plan(form: &str, rows: usize, cols: usize, h_dt: DType, bias_dt: DType, y_dt: DType) -> Option<BiasGeluPlan> {
     let (h, b, y) = (type_name(h_dt)?, type_name(bias_dt)?, type_name(y_dt)?);
     if !(bias_dt == h_dt || bias_dt == DType::F32) || !(y_dt == h_dt || y_dt == DType::F32) {
         return None;
     }
-    let (forward, tiles) = tiled(format!("amp_bias_gelu_fwd_{h}_{b}_{y}"), rows, cols)?;
+    let (forward, tiles) = tiled(format!("amp_bias_{form}_fwd_{h}_{b}_{y}"), rows, cols)?;
     let backward = RowsLaunch {
-        kernel: format!("amp_bias_gelu_bwd_{h}_{b}_{y}"),
+        kernel: format!("amp_bias_{form}_bwd_{h}_{b}_{y}"),
         ..forward.clone()
     };
     Some(BiasGeluPlan {
@@ -207,15 +219,16 @@ pub fn colsum_plan(rows: usize, cols: usize, g_dt: DType, out: DType) -> Option<
 }
 
 /// `gelu(h + bias)` over the last dimension of `h` (`bias` of shape `(n)`, in `h`'s type or
-/// f32) into `out` (`h`'s type or f32), differentiable, as the kernels of `rows.cu`; `Ok(None)`
-/// where they do not apply (not CUDA, built without the `cuda` feature, other types or
-/// shapes, an empty tensor, kernels that failed to load): the caller runs the composed ops.
-pub(crate) fn bias_gelu(h: &Tensor, bias: &Tensor, out: DType) -> Result<Option<Tensor>> {
+/// f32) into `out` (`h`'s type or f32), GELU in the tanh form where `tanh`, else the erf form,
+/// differentiable, as the kernels of `rows.cu`; `Ok(None)` where they do not apply (not CUDA,
+/// built without the `cuda` feature, other types or shapes, an empty tensor, kernels that
+/// failed to load): the caller runs the composed ops.
+pub(crate) fn bias_gelu(h: &Tensor, bias: &Tensor, out: DType, tanh: bool) -> Result<Option<Tensor>> {
     #[cfg(feature = "cuda")]
-    return device::bias_gelu(h, bias, out);
+    return device::bias_gelu(h, bias, out, tanh);
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (h, bias, out);
+        let _ = (h, bias, out, tanh);
         Ok(None)
     }
 }

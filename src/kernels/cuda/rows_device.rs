@@ -10,7 +10,7 @@ use candle_core::{
     CpuStorage, CudaStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, Layout, Result, Shape, Tensor,
 };
 
-use super::{RowsLaunch, SOURCE, Tiles, add_plan, bias_gelu_plan, colsum_plan};
+use super::{BiasGeluPlan, RowsLaunch, SOURCE, Tiles, add_plan, bias_gelu_plan, bias_gelu_tanh_plan, colsum_plan};
 use crate::kernels::cuda::buffers::{Out, alloc, config, no_kernel, offsets, push_in, push_out, view, wrap};
 use crate::kernels::cuda::nvrtc::Kernels;
 use crate::kernels::dense;
@@ -83,9 +83,19 @@ fn launch_sum(
     Ok(())
 }
 
-/// The forward over `(h, bias)`: `gelu(h + bias)` in `out`.
+/// The plan of bias + GELU in the tanh form where `tanh`, else the erf form.
+fn gelu_plan(tanh: bool, rows: usize, cols: usize, h: DType, b: DType, y: DType) -> Option<BiasGeluPlan> {
+    if tanh {
+        bias_gelu_tanh_plan(rows, cols, h, b, y)
+    } else {
+        bias_gelu_plan(rows, cols, h, b, y)
+    }
+}
+
+/// The forward over `(h, bias)`: `gelu(h + bias)` in `out` (the tanh form where `tanh`).
 struct BiasGelu {
     out: DType,
+    tanh: bool,
 }
 
 impl CustomOp2 for BiasGelu {
@@ -102,7 +112,8 @@ impl CustomOp2 for BiasGelu {
         let what = self.name();
         let (rows, cols) = rows_cols(l1.shape());
         expect_len(l2, cols, what)?;
-        let plan = bias_gelu_plan(rows, cols, s1.dtype(), s2.dtype(), self.out).ok_or_else(|| no_kernel(what, l1))?;
+        let plan =
+            gelu_plan(self.tanh, rows, cols, s1.dtype(), s2.dtype(), self.out).ok_or_else(|| no_kernel(what, l1))?;
         let dev = s1.device().clone();
         let ptx = KERNELS.ptx(&dev).map_err(candle_core::Error::Msg)?;
         let func = dev.get_or_load_custom_func(&plan.forward.kernel, KERNELS.module, &ptx)?;
@@ -125,6 +136,7 @@ impl CustomOp2 for BiasGelu {
         let dy = dense(&dy.to_dtype(self.out)?)?;
         let op = GradBiasGelu {
             out: self.out,
+            tanh: self.tanh,
             want_bias: bias.track_op(),
             dbias: Mutex::new(None),
         };
@@ -141,6 +153,7 @@ impl CustomOp2 for BiasGelu {
 /// computed in the same launch sequence and kept for [`Stored`] where `want_bias`.
 struct GradBiasGelu {
     out: DType,
+    tanh: bool,
     want_bias: bool,
     dbias: Mutex<Option<Out>>,
 }
@@ -177,7 +190,8 @@ impl CustomOp3 for GradBiasGelu {
         }
         let (rows, cols) = rows_cols(l1.shape());
         expect_len(l2, cols, what)?;
-        let plan = bias_gelu_plan(rows, cols, s1.dtype(), s2.dtype(), self.out).ok_or_else(|| no_kernel(what, l1))?;
+        let plan =
+            gelu_plan(self.tanh, rows, cols, s1.dtype(), s2.dtype(), self.out).ok_or_else(|| no_kernel(what, l1))?;
         let dev = s1.device().clone();
         let ptx = KERNELS.ptx(&dev).map_err(candle_core::Error::Msg)?;
         let func = dev.get_or_load_custom_func(&plan.backward.kernel, KERNELS.module, &ptx)?;
@@ -345,7 +359,7 @@ impl CustomOp1 for ColSum {
 }
 
 /// [`super::bias_gelu`] on a CUDA device.
-pub(crate) fn bias_gelu(h: &Tensor, bias: &Tensor, out: DType) -> Result<Option<Tensor>> {
+pub(crate) fn bias_gelu(h: &Tensor, bias: &Tensor, out: DType, tanh: bool) -> Result<Option<Tensor>> {
     let Device::Cuda(dev) = h.device() else {
         return Ok(None);
     };
@@ -355,13 +369,13 @@ pub(crate) fn bias_gelu(h: &Tensor, bias: &Tensor, out: DType) -> Result<Option<
     let rows = h.elem_count() / cols.max(1);
     if bias.dims() != [cols]
         || !bias.device().same_device(h.device())
-        || bias_gelu_plan(rows, cols, h.dtype(), bias.dtype(), out).is_none()
+        || gelu_plan(tanh, rows, cols, h.dtype(), bias.dtype(), out).is_none()
         || !available(dev)
     {
         return Ok(None);
     }
     let (h, bias) = (dense(h)?, dense(bias)?);
-    let op = BiasGelu { out };
+    let op = BiasGelu { out, tanh };
     Ok(Some(if h.track_op() || bias.track_op() {
         h.apply_op2(&bias, op)?
     } else {

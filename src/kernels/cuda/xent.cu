@@ -12,6 +12,13 @@
 //   amp_xent_bwd_{t}_{i}: one block per row: dlogits = (exp(x - m) / s - onehot) * (g / rows),
 //       in the logits' type, one read of the row and one write, g the loss's gradient (read on
 //       the device: no host read).
+//   amp_xent_rows_{t}_{i}: the two above for one chunk of a chunked LM head (the logits of some
+//       rows, never all): one block per row, the forward's pass for m and s, then the row's
+//       log-probability into `logp` and dlogits = (exp(x - m) / s - onehot) * inv_n into `dx`,
+//       n the rows of the whole batch (the mean's), not the chunk's. One launch, no statistics
+//       buffer; the row is read a second time for dx right after the first, from L2 (a 50257-class
+//       half row is 100 KB). Its arithmetic is the forward's and the backward's with g = 1, so
+//       its values are theirs bit for bit.
 //
 // Targets as candle's gather takes them: the type's maximum (255, u32::MAX, i64::MAX) is an
 // ignored row (log-probability 0, gradient 0, still counted in the mean's rows); any other
@@ -100,6 +107,38 @@ __device__ __forceinline__ void amp_xent_bwd(const T* __restrict__ x, const I* _
     }
 }
 
+template <typename T, typename I>
+__device__ __forceinline__ void amp_xent_rows(const T* __restrict__ x, const I* __restrict__ targets,
+                                              float* __restrict__ logp, T* __restrict__ dx, int rows, int cols,
+                                              float inv_n) {
+    __shared__ float red[32];
+    const long long row = blockIdx.x;
+    if (row >= rows) return;
+    const T* xr = x + row * cols;
+    T* dr = dx + row * cols;
+    const float ninf = amp_neg_inf();
+    float m = ninf, s = 0.0f;
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) {
+        const float v = amp_to_f32(xr[j]);
+        if (v == ninf) continue;
+        const float mn = fmaxf(m, v);
+        s = s * expf(m - mn) + expf(v - mn);
+        m = mn;
+    }
+    const float rm = amp_block_max(m, red);
+    float rs = amp_block_sum(s == 0.0f ? 0.0f : s * expf(m - rm), red);
+    if (rm == ninf) rs = amp_nan();
+    const long long t = amp_target(targets[row], cols);
+    if (threadIdx.x == 0) {
+        logp[row] = t == -1 ? 0.0f : (t < 0 ? amp_nan() : (amp_to_f32(xr[t]) - rm) - logf(rs));
+    }
+    const float gn = t == -1 ? 0.0f : (t < 0 ? amp_nan() : inv_n);
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) {
+        const float p = expf(amp_to_f32(xr[j]) - rm) / rs;
+        dr[j] = amp_from_f32<T>(t == -1 ? 0.0f : (p - (j == t ? 1.0f : 0.0f)) * gn);
+    }
+}
+
 // ---------------------------------------------------------------------------------- entry points
 #define AMP_XENT_TYPES(X, ...)                                                                         \
     X(float, f32, unsigned char, u8, __VA_ARGS__)                                                      \
@@ -117,6 +156,7 @@ __device__ __forceinline__ void amp_xent_bwd(const T* __restrict__ x, const I* _
 #define AMP_XENT_BWD_ARGS                                                                              \
     const void *x, const void *targets, const float *stats, const float *g, void *dx, int rows, int cols,   \
         float inv_rows
+#define AMP_XENT_ROWS_ARGS const void *x, const void *targets, float *logp, void *dx, int rows, int cols, float inv_n
 
 #define AMP_XENT_DEFINE(T, nt, I, ni, _)                                                               \
     extern "C" __global__ void amp_xent_fwd_##nt##_##ni(AMP_XENT_FWD_ARGS) {                           \
@@ -124,6 +164,9 @@ __device__ __forceinline__ void amp_xent_bwd(const T* __restrict__ x, const I* _
     }                                                                                                  \
     extern "C" __global__ void amp_xent_bwd_##nt##_##ni(AMP_XENT_BWD_ARGS) {                           \
         amp_xent_bwd<T, I>((const T*)x, (const I*)targets, stats, g, (T*)dx, rows, cols, inv_rows);    \
+    }                                                                                                  \
+    extern "C" __global__ void amp_xent_rows_##nt##_##ni(AMP_XENT_ROWS_ARGS) {                         \
+        amp_xent_rows<T, I>((const T*)x, (const I*)targets, logp, (T*)dx, rows, cols, inv_n);          \
     }
 AMP_XENT_TYPES(AMP_XENT_DEFINE, _)
 

@@ -3,7 +3,9 @@
 //! stored log-probabilities) and keeps two f32 values per row (the row's maximum and sum of
 //! exponentials); a second one-block kernel takes the mean over the rows in a fixed order; the
 //! backward recomputes the softmax from those two values and writes `(softmax - onehot) * g / N`
-//! in the logits' type in one pass.
+//! in the logits' type in one pass. A third kernel does both for one chunk of rows of the
+//! chunked LM head (`kernels::lm_head_chunked`): each row's log-probability and its gradient
+//! at the logits, for the whole batch's mean, in one launch (`rows_logp_grad`).
 //!
 //! Built and loaded as the softmax kernels are (see [`super::softmax`]): NVRTC at run time,
 //! `get_or_load_custom_func` into candle's context, one warning per device and the composed
@@ -21,7 +23,7 @@ mod plan;
 pub(crate) use plan::xent_plan;
 
 #[cfg(feature = "cuda")]
-pub(crate) use device::{available, cross_entropy};
+pub(crate) use device::{available, cross_entropy, rows_logp_grad};
 
 #[cfg(feature = "cuda")]
 #[path = "xent_device.rs"]

@@ -10,7 +10,7 @@ use candle_core::{CpuStorage, CudaStorage, CustomOp2, CustomOp3, DType, Device, 
 use half::{bf16, f16};
 
 use super::{SOURCE, xent_plan};
-use crate::kernels::cuda::buffers::{config, no_kernel, offsets, push_in, view};
+use crate::kernels::cuda::buffers::{alloc, config, no_kernel, offsets, push_in, push_out, view, wrap};
 use crate::kernels::cuda::nvrtc::Kernels;
 
 /// The kernels of `xent.cu`: NVRTC's PTX and the module loaded per device.
@@ -249,4 +249,42 @@ pub(crate) fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Option<
     } else {
         x.apply_op2_no_bwd(&t, &op)?
     }))
+}
+
+/// One chunk of the chunked LM head (`kernels::lm_head_chunked`): from its logits
+/// `(rows, cols)` and targets `(rows,)`, each row's log-probability at its target (f32, 0 for
+/// an ignored row) and the logits' gradient `(softmax - onehot) * inv_n` in the logits' type,
+/// in one launch of `amp_xent_rows_{t}_{i}`. Errors where no kernel applies (the caller checks
+/// [`xent_plan`] and [`available`] first).
+pub(crate) fn rows_logp_grad(
+    x: &CudaStorage,
+    lx: &Layout,
+    t: &CudaStorage,
+    lt: &Layout,
+    inv_n: f32,
+) -> Result<(CudaStorage, CudaStorage)> {
+    let what = "amp-chunked-linear-xent";
+    let (rows, cols) = rows_cols(lx);
+    let plan = xent_plan(rows, cols, x.dtype(), t.dtype()).ok_or_else(|| no_kernel(what, lx))?;
+    let dev = x.device().clone();
+    let ptx = KERNELS.ptx(&dev).map_err(candle_core::Error::Msg)?;
+    let func = dev.get_or_load_custom_func(&plan.rows.kernel, KERNELS.module, &ptx)?;
+    let xv = view(x, lx, what)?;
+    let tv = targets(t, lt, rows, what)?;
+    // SAFETY: thread 0 of each row's block writes its log-probability; the grid covers every
+    // row and each block's loop every column of dx.
+    let logp = unsafe { dev.alloc::<f32>(rows) }?;
+    let dx = alloc(&dev, x.dtype(), rows * cols, what)?;
+    let (rows_i, cols_i) = (rows as i32, cols as i32);
+    let mut b = func.builder();
+    push_in(&mut b, &xv);
+    push_targets(&mut b, &tv);
+    b.arg(&logp);
+    push_out(&mut b, &dx);
+    b.arg(&rows_i).arg(&cols_i).arg(&inv_n);
+    // SAFETY: the arguments match `AMP_XENT_ROWS_ARGS` in order and type; x and dx hold
+    // rows * cols values of the logits' type, targets and logp rows values.
+    unsafe { b.launch(config(plan.rows.grid, plan.rows.block)) }.w()?;
+    drop(b);
+    Ok((CudaStorage::wrap_cuda_slice(logp, dev.clone()), wrap(dx, dev)))
 }

@@ -26,6 +26,9 @@ pub struct XentPlan {
     pub mean: XentLaunch,
     /// `amp_xent_bwd_{t}_{i}`: one block per row.
     pub backward: XentLaunch,
+    /// `amp_xent_rows_{t}_{i}` (a chunk of the chunked LM head: the log-probabilities and the
+    /// gradient in one launch): one block per row, as the forward.
+    pub rows: XentLaunch,
 }
 
 /// The plan for logits of `dt` and targets of `targets`, or `None` where no kernel applies
@@ -68,5 +71,6 @@ pub fn xent_plan(rows: usize, cols: usize, dt: DType, targets: DType) -> Option<
             block: MEAN_BLOCK,
         },
         backward: row("bwd"),
+        rows: row("rows"),
     })
 }
