@@ -293,6 +293,10 @@ impl Layer {
     }
 
     fn forward(&self, x: &Tensor, bias: Option<&Tensor>, lengths: Option<&[usize]>) -> Result<Tensor> {
+        if bias.is_none() {
+            // Both sub-layers as one node where they fuse (a block runner runs blocks one by one).
+            return Residual::forward_stack(&[&self.attention, &self.ffn], x, true, None, lengths);
+        }
         self.ffn.forward_t(&self.attend(x, bias, lengths)?, true)
     }
 }

@@ -46,7 +46,7 @@
 use std::sync::{Arc, Mutex};
 
 use candle_core::{Device, Result, Tensor};
-use candle_nn::{Module, ModuleT, VarBuilder};
+use candle_nn::{Module, VarBuilder};
 
 use crate::nn as ann;
 
@@ -358,8 +358,8 @@ impl Block {
     }
 
     fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        let x = self.attn.forward_with(x, true, Some((cos, sin)), None)?;
-        self.mlp.forward_t(&x, true)
+        // Both sub-layers as one node where they fuse (a block runner runs blocks one by one).
+        ann::Residual::forward_stack(&[&self.attn, &self.mlp], x, true, Some((cos, sin)), None)
     }
 }
 
