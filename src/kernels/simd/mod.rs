@@ -195,6 +195,19 @@ pub(crate) fn narrow_f16(src: &[f32], dst: &mut [f16]) {
 #[cfg(target_arch = "x86_64")]
 mod sse2;
 
+/// bf16 -> f32 over slices in SSE2, for the portable tier on x86-64 (exact).
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn widen_bf16(src: &[bf16], dst: &mut [f32]) {
+    sse2::widen_bf16(src, dst)
+}
+
+/// f32 -> bf16 over slices in SSE2, bit for bit as [`bf16_bits`], for the portable tier on
+/// x86-64.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn narrow_bf16(src: &[f32], dst: &mut [bf16]) {
+    sse2::narrow_bf16(src, dst)
+}
+
 impl Elem for bf16 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
@@ -439,6 +452,53 @@ mod tests {
         for payload in [1u32, 0x1FFF, 0x2000, 0x3F_FFFF, 0x40_0001] {
             check(0x7F80_0000 | payload);
             check(0xFF80_0000 | payload);
+        }
+    }
+
+    /// The SSE2 bf16 slice conversions equal `half`'s per value (a NaN's widening aside): every
+    /// bf16 value widened,
+    /// and f32 patterns narrowed across every rounding boundary kind (a dense sweep, the
+    /// midpoints between bf16 values and their neighbours, infinities, NaNs with payloads
+    /// only in the dropped bits), at every length mod 8 (the tail).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn sse2_bf16_conversions_match_half() {
+        let all: Vec<bf16> = (0..=u16::MAX).map(bf16::from_bits).collect();
+        for len in [all.len(), all.len() - 3, 7, 1, 0] {
+            let mut got = vec![0f32; len];
+            widen_bf16(&all[..len], &mut got);
+            for (h, g) in all.iter().zip(&got) {
+                // The widening every tier does (`Elem::to_f32`, `vpslld`): the bits moved up,
+                // a signalling NaN kept as it is, where `half` sets its quiet bit.
+                let want = if h.is_nan() {
+                    (h.to_bits() as u32) << 16
+                } else {
+                    h.to_f32().to_bits()
+                };
+                assert_eq!(g.to_bits(), want, "{:#06x}", h.to_bits());
+            }
+        }
+        let mut xs: Vec<u32> = (0..u32::MAX / 509).map(|i| i * 509).collect();
+        for h in 0..=u16::MAX as u32 {
+            let mid = (h << 16) | 0x8000;
+            xs.extend([mid - 1, mid, mid + 1, h << 16, (h << 16) | 0xFFFF]);
+        }
+        xs.extend([
+            0x7F80_0000,
+            0xFF80_0000,
+            0x7F80_0001,
+            0xFF80_0001,
+            0x7FC0_0000,
+            0x7F7F_FFFF,
+            0xFF7F_FFFF,
+        ]);
+        let src: Vec<f32> = xs.iter().map(|&x| f32::from_bits(x)).collect();
+        for len in [src.len(), src.len() - 5, 9] {
+            let mut got = vec![bf16::ZERO; len];
+            narrow_bf16(&src[..len], &mut got);
+            for (x, g) in src.iter().zip(&got) {
+                assert_eq!(g.to_bits(), bf16::from_f32(*x).to_bits(), "{:#010x}", x.to_bits());
+            }
         }
     }
 

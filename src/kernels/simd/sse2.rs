@@ -1,6 +1,6 @@
 use std::arch::x86_64::*;
 
-use half::f16;
+use half::{bf16, f16};
 
 /// `if m { t } else { f }` per lane (`m` all ones or all zeros).
 #[inline(always)]
@@ -97,5 +97,60 @@ pub(super) fn narrow_normal(s: &[f32], d: &mut [f16]) -> bool {
             _mm_storeu_si128(d.as_mut_ptr().add(i).cast(), _mm_packs_epi32(out[0], out[1]));
         }
         _mm_movemask_epi8(odd) == 0
+    }
+}
+
+/// bf16 -> f32 over slices: each value's 16 bits become the high half of an f32 (exact),
+/// eight values per step by interleaving with zeros; the rest one by one.
+pub(super) fn widen_bf16(s: &[bf16], d: &mut [f32]) {
+    assert_eq!(s.len(), d.len(), "widen_bf16: lengths differ");
+    let body = s.len() - s.len() % 8;
+    // SAFETY: SSE2 is part of x86-64; every load and store is within the slices (8 values
+    // of `s`, 2 x 4 of `d` from index `i`, `i + 8 <= body`), unaligned allowed.
+    unsafe {
+        let zero = _mm_setzero_si128();
+        for i in (0..body).step_by(8) {
+            let h = _mm_loadu_si128(s.as_ptr().add(i).cast());
+            _mm_storeu_si128(d.as_mut_ptr().add(i).cast(), _mm_unpacklo_epi16(zero, h));
+            _mm_storeu_si128(d.as_mut_ptr().add(i + 4).cast(), _mm_unpackhi_epi16(zero, h));
+        }
+    }
+    for (d, h) in d[body..].iter_mut().zip(&s[body..]) {
+        *d = f32::from_bits((h.to_bits() as u32) << 16);
+    }
+}
+
+/// f32 -> bf16 over slices, bit for bit as [`super::bf16_bits`] (`half`'s rounding: to
+/// nearest even, a NaN kept and made quiet), eight values per step; the rest one by one.
+/// `half`'s own conversion branches per value on NaN, which keeps LLVM from vectorising it.
+pub(super) fn narrow_bf16(s: &[f32], d: &mut [bf16]) {
+    assert_eq!(s.len(), d.len(), "narrow_bf16: lengths differ");
+    let body = s.len() - s.len() % 8;
+    // SAFETY: SSE2 is part of x86-64; every load and store is within the slices (2 x 4
+    // values of `s`, 8 of `d` from index `i`, `i + 8 <= body`), unaligned allowed.
+    unsafe {
+        let abs = _mm_set1_epi32(0x7FFF_FFFF);
+        let inf = _mm_set1_epi32(0x7F80_0000);
+        let (one, round, quiet) = (_mm_set1_epi32(1), _mm_set1_epi32(0x7FFF), _mm_set1_epi32(0x0040));
+        for i in (0..body).step_by(8) {
+            let mut out = [_mm_setzero_si128(); 2];
+            for (j, out) in out.iter_mut().enumerate() {
+                let x = _mm_loadu_si128(s.as_ptr().add(i + 4 * j).cast());
+                let hi = _mm_srli_epi32(x, 16);
+                // Finite or infinite: add 0x7FFF plus the kept part's lowest bit, keep the
+                // high half (no carry past bit 31: the largest such pattern is -inf's).
+                let rounded = _mm_srli_epi32(_mm_add_epi32(_mm_add_epi32(x, round), _mm_and_si128(hi, one)), 16);
+                // NaN (magnitude above infinity's, a signed compare: both are below 2^31):
+                // the high half with the quiet bit set.
+                let nan = _mm_cmpgt_epi32(_mm_and_si128(x, abs), inf);
+                let v = select(nan, _mm_or_si128(hi, quiet), rounded);
+                // Sign-extended from 16 bits, so the saturating pack keeps each pattern.
+                *out = _mm_srai_epi32(_mm_slli_epi32(v, 16), 16);
+            }
+            _mm_storeu_si128(d.as_mut_ptr().add(i).cast(), _mm_packs_epi32(out[0], out[1]));
+        }
+    }
+    for (d, x) in d[body..].iter_mut().zip(&s[body..]) {
+        *d = bf16::from_bits(super::bf16_bits(x.to_bits()));
     }
 }
