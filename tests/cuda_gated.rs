@@ -17,7 +17,7 @@ use std::path::Path;
 use candle_amp::testing::cuda_gated::{PointAct, act_plan, gated_plan};
 use candle_core::{DType, Device, Tensor, Var};
 
-use cuda_emu::{atol, decode, encode, eps, values};
+use cuda_emu::{atol, cdf, decode, encode, eps, pdf, values};
 
 const TYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 const ACTS: [PointAct; 4] = [PointAct::Silu, PointAct::Gelu, PointAct::GeluTanh, PointAct::Relu];
@@ -28,34 +28,6 @@ fn run(args: &[String]) {
     cuda_emu::run("gated", args)
 }
 
-/// `erfc` in f64 (as tests/cuda_rows.rs): the positive series of `erf` below 2.5, the
-/// continued fraction above; negative arguments by symmetry. About 1e-13 relative or better.
-fn erfc(x: f64) -> f64 {
-    if x < 0.0 {
-        return 2.0 - erfc(-x);
-    }
-    if x < 2.5 {
-        let (mut term, mut sum, mut n) = (x, x, 0.0);
-        while term > 1e-18 * sum {
-            n += 1.0;
-            term *= 2.0 * x * x / (2.0 * n + 1.0);
-            sum += term;
-        }
-        return 1.0 - 2.0 / std::f64::consts::PI.sqrt() * (-x * x).exp() * sum;
-    }
-    let mut k = x;
-    for i in (1..=80).rev() {
-        k = x + (i as f64 / 2.0) / k;
-    }
-    (-x * x).exp() / std::f64::consts::PI.sqrt() / k
-}
-
-fn cdf(x: f64) -> f64 {
-    0.5 * erfc(-x / std::f64::consts::SQRT_2)
-}
-fn pdf(x: f64) -> f64 {
-    (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt()
-}
 /// σ(z) and 1 - σ(z), each without cancellation.
 fn sigmoid(z: f64) -> (f64, f64) {
     let e = (-z).exp();

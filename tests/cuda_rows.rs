@@ -16,7 +16,7 @@ use std::path::Path;
 use candle_amp::testing::cuda_rows::{add_plan, bias_gelu_plan, bias_gelu_tanh_plan, colsum_plan, promoted};
 use candle_core::{DType, Device, Module, Tensor, Var};
 
-use cuda_emu::{atol, decode, encode, eps, values};
+use cuda_emu::{atol, cdf, decode, encode, eps, erfc, pdf, values};
 
 const TYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 /// Rows by columns: columns not a multiple of the blocks (1, 3, 769) and GPT-2's 3072.
@@ -26,35 +26,6 @@ fn run(args: &[String]) {
     cuda_emu::run("rows", args)
 }
 
-/// `erfc` in f64: the positive series of `erf` (no cancellation) below 2.5, the continued
-/// fraction above; negative arguments by symmetry. About 1e-13 relative or better.
-fn erfc(x: f64) -> f64 {
-    if x < 0.0 {
-        return 2.0 - erfc(-x);
-    }
-    if x < 2.5 {
-        // erf(x) = 2/√π e^{-x²} Σ 2^n x^{2n+1} / (1·3···(2n+1)).
-        let (mut term, mut sum, mut n) = (x, x, 0.0);
-        while term > 1e-18 * sum {
-            n += 1.0;
-            term *= 2.0 * x * x / (2.0 * n + 1.0);
-            sum += term;
-        }
-        return 1.0 - 2.0 / std::f64::consts::PI.sqrt() * (-x * x).exp() * sum;
-    }
-    let mut k = x;
-    for i in (1..=80).rev() {
-        k = x + (i as f64 / 2.0) / k;
-    }
-    (-x * x).exp() / std::f64::consts::PI.sqrt() / k
-}
-
-fn cdf(x: f64) -> f64 {
-    0.5 * erfc(-x / std::f64::consts::SQRT_2)
-}
-fn pdf(x: f64) -> f64 {
-    (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt()
-}
 fn gelu(x: f64) -> f64 {
     x * cdf(x)
 }

@@ -5,7 +5,9 @@
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchArgs, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice};
-use candle_core::{CudaStorage, DType, Layout, Result};
+use std::sync::Mutex;
+
+use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
 
 /// A contiguous f32, f16 or bf16 operand (x, dy, logits) as the view a kernel reads.
@@ -90,4 +92,38 @@ pub(crate) fn config(grid: u32, block: u32) -> LaunchConfig {
 /// The error where the launch plan has no kernel for a layout.
 pub(crate) fn no_kernel(what: &str, l: &Layout) -> candle_core::Error {
     candle_core::Error::Msg(format!("{what}: no kernel for {:?}", l.shape()))
+}
+
+/// A second output of a launch (a bias's or a gate's gradient written beside the first) as a
+/// tensor of `like`'s shape on its device, outside the graph: a custom op whose forward hands
+/// on `out` (its length checked against the shape).
+pub(crate) fn stored(like: &Tensor, out: Out) -> Result<Tensor> {
+    like.detach().apply_op1_no_bwd(&Stored(Mutex::new(Some(out))))
+}
+
+/// The op behind [`stored`]: the buffer, taken by its one forward.
+struct Stored(Mutex<Option<Out>>);
+
+impl CustomOp1 for Stored {
+    fn name(&self) -> &'static str {
+        "amp-cuda-stored"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("amp-cuda-stored: a CUDA op applied to a CPU tensor")
+    }
+
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let out = self.0.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let out = out.ok_or_else(|| candle_core::Error::Msg("amp-cuda-stored: applied twice".into()))?;
+        let len = match &out {
+            Out::F32(x) => x.len(),
+            Out::F16(x) => x.len(),
+            Out::BF16(x) => x.len(),
+        };
+        if len != l.shape().elem_count() {
+            candle_core::bail!("amp-cuda-stored: {len} values for {:?}", l.shape())
+        }
+        Ok((wrap(out, s.device().clone()), l.shape().clone()))
+    }
 }

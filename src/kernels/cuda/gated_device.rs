@@ -11,7 +11,7 @@ use candle_core::{
 };
 
 use super::{PointAct, SOURCE, act_plan, gated_plan};
-use crate::kernels::cuda::buffers::{Out, alloc, config, no_kernel, offsets, push_in, push_out, view, wrap};
+use crate::kernels::cuda::buffers::{Out, alloc, config, no_kernel, offsets, push_in, push_out, stored, view, wrap};
 use crate::kernels::cuda::nvrtc::Kernels;
 use crate::kernels::dense;
 
@@ -91,7 +91,7 @@ impl CustomOp2 for Gated {
         };
         let dg = g.detach().apply_op3_no_bwd(&u.detach(), &dy.detach(), &op)?;
         let du = match op.du.into_inner().unwrap_or_else(|e| e.into_inner()) {
-            Some(o) if u.track_op() => Some(u.detach().apply_op1_no_bwd(&Stored(Mutex::new(Some(o))))?),
+            Some(o) if u.track_op() => Some(stored(u, o)?),
             _ => None,
         };
         Ok((g.track_op().then_some(dg), du))
@@ -99,7 +99,7 @@ impl CustomOp2 for Gated {
 }
 
 /// The backward over `(g, u, dy)`: `dg` in g's type; `du` (u's type) computed by the same
-/// launch and kept for [`Stored`].
+/// launch and kept for [`stored`].
 struct GradGated {
     act: PointAct,
     a: DType,
@@ -162,34 +162,6 @@ impl CustomOp3 for GradGated {
         drop(b);
         *self.du.lock().unwrap_or_else(|e| e.into_inner()) = Some(du);
         Ok((wrap(dg, dev), l1.shape().clone()))
-    }
-}
-
-/// A result computed by another op's launch, handed over as a tensor shaped like the tensor
-/// it is applied to (u, for its gradient).
-struct Stored(Mutex<Option<Out>>);
-
-impl CustomOp1 for Stored {
-    fn name(&self) -> &'static str {
-        "amp-cuda-gated-stored"
-    }
-
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        candle_core::bail!("amp-cuda-gated-stored: a CUDA op applied to a CPU tensor")
-    }
-
-    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-        let out = self.0.lock().unwrap_or_else(|e| e.into_inner()).take();
-        let out = out.ok_or_else(|| candle_core::Error::Msg("amp-cuda-gated-stored: applied twice".into()))?;
-        let len = match &out {
-            Out::F32(x) => x.len(),
-            Out::F16(x) => x.len(),
-            Out::BF16(x) => x.len(),
-        };
-        if len != l.shape().elem_count() {
-            candle_core::bail!("amp-cuda-gated-stored: {len} values for {:?}", l.shape())
-        }
-        Ok((wrap(out, s.device().clone()), l.shape().clone()))
     }
 }
 

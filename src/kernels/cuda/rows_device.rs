@@ -11,7 +11,7 @@ use candle_core::{
 };
 
 use super::{BiasGeluPlan, RowsLaunch, SOURCE, Tiles, add_plan, bias_gelu_plan, bias_gelu_tanh_plan, colsum_plan};
-use crate::kernels::cuda::buffers::{Out, alloc, config, no_kernel, offsets, push_in, push_out, view, wrap};
+use crate::kernels::cuda::buffers::{Out, alloc, config, no_kernel, offsets, push_in, push_out, stored, view, wrap};
 use crate::kernels::cuda::nvrtc::Kernels;
 use crate::kernels::dense;
 
@@ -142,7 +142,7 @@ impl CustomOp2 for BiasGelu {
         };
         let dh = h.detach().apply_op3_no_bwd(&bias.detach(), &dy.detach(), &op)?;
         let dbias = match op.dbias.into_inner().unwrap_or_else(|e| e.into_inner()) {
-            Some(o) => Some(bias.detach().apply_op1_no_bwd(&Stored(Mutex::new(Some(o))))?),
+            Some(o) => Some(stored(bias, o)?),
             None => None,
         };
         Ok((h.track_op().then_some(dh), dbias))
@@ -150,7 +150,7 @@ impl CustomOp2 for BiasGelu {
 }
 
 /// The backward over `(h, bias, dy)`: `dh` in h's type; the bias gradient (in the bias's type)
-/// computed in the same launch sequence and kept for [`Stored`] where `want_bias`.
+/// computed in the same launch sequence and kept for [`stored`] where `want_bias`.
 struct GradBiasGelu {
     out: DType,
     tanh: bool,
@@ -226,34 +226,6 @@ impl CustomOp3 for GradBiasGelu {
             *self.dbias.lock().unwrap_or_else(|e| e.into_inner()) = Some(dbias);
         }
         Ok((wrap(dh, dev), l1.shape().clone()))
-    }
-}
-
-/// A result computed by another op's launches, handed over as a tensor shaped like the
-/// tensor it is applied to (the bias, for its gradient).
-struct Stored(Mutex<Option<Out>>);
-
-impl CustomOp1 for Stored {
-    fn name(&self) -> &'static str {
-        "amp-cuda-stored"
-    }
-
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        candle_core::bail!("amp-cuda-stored: a CUDA op applied to a CPU tensor")
-    }
-
-    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-        let out = self.0.lock().unwrap_or_else(|e| e.into_inner()).take();
-        let out = out.ok_or_else(|| candle_core::Error::Msg("amp-cuda-stored: applied twice".into()))?;
-        let len = match &out {
-            Out::F32(x) => x.len(),
-            Out::F16(x) => x.len(),
-            Out::BF16(x) => x.len(),
-        };
-        if len != l.shape().elem_count() {
-            candle_core::bail!("amp-cuda-stored: {len} values for {:?}", l.shape())
-        }
-        Ok((wrap(out, s.device().clone()), l.shape().clone()))
     }
 }
 
