@@ -23,6 +23,15 @@ pub(crate) fn offsets(l: &Layout, what: &str) -> Result<(usize, usize)> {
         .ok_or_else(|| candle_core::Error::Msg(format!("{what}: the input must be contiguous")))
 }
 
+/// The values a layout covers: `n` exactly, or an error naming `what`.
+pub(crate) fn expect_len(l: &Layout, n: usize, what: &str) -> Result<()> {
+    let (a, b) = offsets(l, what)?;
+    if b - a != n {
+        candle_core::bail!("{what}: {} values where {n} are needed", b - a)
+    }
+    Ok(())
+}
+
 /// The operand `s` laid out as `l` (contiguous, f32 or half) as a kernel's view.
 pub(crate) fn view<'a>(s: &'a CudaStorage, l: &Layout, what: &str) -> Result<View<'a>> {
     let (a, b) = offsets(l, what)?;

@@ -19,6 +19,7 @@
 //! where that fails. The launch plan ([`embed_plan`]) is shared with the tests through
 //! `candle_amp::testing`; they run the same `.cu` on the CPU grid emulator (`tests/cuda_emu`).
 
+use super::type_name;
 use candle_core::{DType, Result, Tensor};
 
 /// The CUDA C source of the kernels.
@@ -58,15 +59,6 @@ pub struct EmbedLaunch {
     pub rows_per_tile: u32,
     /// Backward: the row tiles, `vocab.div_ceil(rows_per_tile)` (forward: 0).
     pub row_tiles: u32,
-}
-
-fn type_name(d: DType) -> Option<&'static str> {
-    match d {
-        DType::F32 => Some("f32"),
-        DType::F16 => Some("f16"),
-        DType::BF16 => Some("bf16"),
-        _ => None,
-    }
 }
 
 fn id_name(d: DType) -> Option<&'static str> {

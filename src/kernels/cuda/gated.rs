@@ -20,6 +20,7 @@
 //! module's functions) is shared with the tests through `candle_amp::testing`; they run the
 //! same `.cu` on the CPU grid emulator (`tests/cuda_emu`).
 
+use super::type_name;
 use candle_core::{DType, Result, Tensor};
 
 /// The CUDA C source of the kernels.
@@ -87,15 +88,6 @@ pub struct ActPlan {
     pub backward: PointLaunch,
     /// Values.
     pub n: usize,
-}
-
-fn type_name(d: DType) -> Option<&'static str> {
-    match d {
-        DType::F32 => Some("f32"),
-        DType::F16 => Some("f16"),
-        DType::BF16 => Some("bf16"),
-        _ => None,
-    }
 }
 
 /// The grid-stride launch of `kernel` over `n` values (a function of `n` alone), or `None`

@@ -11,7 +11,7 @@ use candle_core::{
 };
 
 use super::{PointAct, SOURCE, act_plan, gated_plan};
-use crate::kernels::cuda::buffers::{Out, alloc, config, no_kernel, offsets, push_in, push_out, stored, view, wrap};
+use crate::kernels::cuda::buffers::{Out, alloc, config, expect_len, no_kernel, push_in, push_out, stored, view, wrap};
 use crate::kernels::cuda::nvrtc::Kernels;
 use crate::kernels::dense;
 
@@ -27,15 +27,6 @@ static KERNELS: Kernels = Kernels::new(
 /// Whether the kernels are loaded on `dev` (see [`Kernels::available`]).
 pub(crate) fn available(dev: &CudaDevice) -> bool {
     KERNELS.available(dev)
-}
-
-/// The values of a contiguous layout: `n` exactly, or an error naming `what`.
-fn expect_len(l: &Layout, n: usize, what: &str) -> Result<()> {
-    let (a, b) = offsets(l, what)?;
-    if b - a != n {
-        candle_core::bail!("{what}: {} values where {n} are needed", b - a)
-    }
-    Ok(())
 }
 
 /// The forward over `(g, u)`: `act(g) * u`, the activation rounded to `a`, the product in `p`.

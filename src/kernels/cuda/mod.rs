@@ -25,3 +25,14 @@ pub(crate) mod rope;
 pub(crate) mod rows;
 pub(crate) mod softmax;
 pub(crate) mod xent;
+
+/// A float type's part of the kernel names (`f32`, `f16`, `bf16`); `None` for a type no
+/// kernel takes. Shared by the launch plans.
+pub(crate) fn type_name(d: candle_core::DType) -> Option<&'static str> {
+    match d {
+        candle_core::DType::F32 => Some("f32"),
+        candle_core::DType::F16 => Some("f16"),
+        candle_core::DType::BF16 => Some("bf16"),
+        _ => None,
+    }
+}

@@ -18,6 +18,7 @@
 //! ops where that fails. The launch plan ([`rope_plan`]) is shared with the tests through
 //! `candle_amp::testing`; they run the same `.cu` on the CPU grid emulator (`tests/cuda_emu`).
 
+use super::type_name;
 use candle_core::{DType, Result, Tensor};
 
 /// The CUDA C source of the kernels.
@@ -51,15 +52,6 @@ pub struct RopeLaunch {
     /// Whether the tables are `(t, d)` (candle's `rope`, the halves) rather than `(t, d / 2)`
     /// (candle's `rope_i`, the pairs).
     pub halves: bool,
-}
-
-fn type_name(d: DType) -> Option<&'static str> {
-    match d {
-        DType::F32 => Some("f32"),
-        DType::F16 => Some("f16"),
-        DType::BF16 => Some("bf16"),
-        _ => None,
-    }
 }
 
 /// The launch of one rotation of `rows` rows of `d` values (`rows` a multiple of the `t`

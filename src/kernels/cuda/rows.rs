@@ -27,6 +27,7 @@
 //! through `candle_amp::testing`; they run the same `.cu` on the CPU grid emulator
 //! (`tests/cuda_emu`).
 
+use super::type_name;
 use candle_core::{DType, Result, Tensor};
 
 /// The CUDA C source of the kernels.
@@ -101,15 +102,6 @@ pub struct ColSumPlan {
     pub sum: RowsLaunch,
     /// The split of the rows and columns.
     pub tiles: Tiles,
-}
-
-fn type_name(d: DType) -> Option<&'static str> {
-    match d {
-        DType::F32 => Some("f32"),
-        DType::F16 => Some("f16"),
-        DType::BF16 => Some("bf16"),
-        _ => None,
-    }
 }
 
 /// The split of `rows` x `cols` with its tiled launch of `kernel`, or `None` where no kernel

@@ -11,7 +11,7 @@ use candle_core::{
 };
 
 use super::{BiasGeluPlan, RowsLaunch, SOURCE, Tiles, add_plan, bias_gelu_plan, bias_gelu_tanh_plan, colsum_plan};
-use crate::kernels::cuda::buffers::{Out, alloc, config, no_kernel, offsets, push_in, push_out, stored, view, wrap};
+use crate::kernels::cuda::buffers::{Out, alloc, config, expect_len, no_kernel, push_in, push_out, stored, view, wrap};
 use crate::kernels::cuda::nvrtc::Kernels;
 use crate::kernels::dense;
 
@@ -33,15 +33,6 @@ pub(crate) fn available(dev: &CudaDevice) -> bool {
 fn rows_cols(shape: &Shape) -> (usize, usize) {
     let cols = shape.dims().last().copied().unwrap_or(1);
     (shape.elem_count() / cols.max(1), cols)
-}
-
-/// The values a layout covers: `n` exactly, or an error naming `what`.
-fn expect_len(l: &Layout, n: usize, what: &str) -> Result<()> {
-    let (a, b) = offsets(l, what)?;
-    if b - a != n {
-        candle_core::bail!("{what}: {} values where {n} are needed", b - a)
-    }
-    Ok(())
 }
 
 /// Pushes the tiled kernels' four trailing arguments: rows, columns, rows per chunk, tiles.

@@ -21,6 +21,7 @@
 //! The launch plan ([`plan`]) is shared with the tests, which run the same `.cu` on the CPU
 //! grid emulator (`tests/cuda_emu`).
 
+use super::type_name;
 use candle_core::DType;
 
 /// The CUDA C source of the kernels.
@@ -50,15 +51,6 @@ pub struct Launch {
     pub grid: u32,
     /// Threads per block.
     pub block: u32,
-}
-
-fn type_name(d: DType) -> Option<&'static str> {
-    match d {
-        DType::F32 => Some("f32"),
-        DType::F16 => Some("f16"),
-        DType::BF16 => Some("bf16"),
-        _ => None,
-    }
 }
 
 /// The launch for `rows` rows of `cols` values, `input` in (the scores, or `y` and `dy`) and
