@@ -17,6 +17,11 @@
 //! (down's input, for down's weight gradient). The activation is not kept: the backward
 //! recomputes it from the gate's output in one pointwise pass, a small fraction of a
 //! product's time, which saves one hidden-width tensor per block between the passes.
+//!
+//! With SiLU (SwiGLU) the pointwise ops run fused, still bit for bit ([`swiglu`]): two
+//! hidden-width passes forward become one (the activation's tensor is never written), four
+//! backward one (one `exp` per value where there were two, nine conversions of a
+//! hidden-width value in place of eleven, and two tensors never written).
 
 use std::sync::{Arc, Mutex};
 
@@ -24,10 +29,15 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Storage, Tensor};
 
 use super::chain::ChainLayer;
+use half::{bf16, f16};
+
 use super::dispatch::{Kernel, split_zip};
-use super::simd::Elem;
+use super::simd::{Elem, retyped};
 use super::slices::{Vx, convert_serial as convert};
 use super::wgrad::{Dx, GradSink, WgradLinear, applies};
+
+mod swiglu;
+use swiglu::{silu_gate, silu_gate_grads};
 
 /// The activation on the gate's output.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,16 +55,26 @@ const CHUNK: usize = 1 << 14;
 /// Values per block converted to f32 on the stack.
 const BLOCK: usize = 512;
 
+/// `(silu(x), silu'(x))` from one `exp(-x)`: `silu(x) = x / (1 + e)` and
+/// `silu'(x) = s * (1 + x * (1 - s))` with `s = 1 / (1 + e)` the sigmoid. Each of the two is
+/// the same expression whether computed alone ([`silu_f32`], [`silu_grad`]) or together (the
+/// fused SwiGLU passes), so both give the same bits.
+#[inline(always)]
+fn silu_parts(x: f32) -> (f32, f32) {
+    let e = super::gelu::exp_f32(-x);
+    let s = 1.0 / (1.0 + e);
+    (x / (1.0 + e), s * (1.0 + x * (1.0 - s)))
+}
+
 #[inline(always)]
 fn silu_f32(x: f32) -> f32 {
-    x / (1.0 + super::gelu::exp_f32(-x))
+    silu_parts(x).0
 }
 
 /// `silu'(x) = s(x) * (1 + x * (1 - s(x)))`, `s` the sigmoid.
 #[inline(always)]
 fn silu_grad(x: f32) -> f32 {
-    let s = 1.0 / (1.0 + super::gelu::exp_f32(-x));
-    s * (1.0 + x * (1.0 - s))
+    silu_parts(x).1
 }
 
 /// `d = f(a, b)` per value, in f32 blocks on the calling thread, rounded once to `T`.
@@ -112,21 +132,7 @@ fn zip_storage<F: Fn(f32, f32) -> f32 + Copy + Send + Sync>(
 /// `f(a, b)` per value of two CPU tensors of one shape and type (f32, f16, bf16), computed in
 /// f32 and rounded once, as a new dense tensor outside any graph.
 fn zip<F: Fn(f32, f32) -> f32 + Copy + Send + Sync>(a: &Tensor, b: &Tensor, f: F, op: &str) -> Result<Tensor> {
-    if a.shape() != b.shape() {
-        candle_core::bail!("{op}: operands {:?} and {:?}", a.dims(), b.dims())
-    }
-    let (a, b) = (super::dense(a)?, super::dense(b)?);
-    let out = {
-        let (sa, la) = a.storage_and_layout();
-        let (sb, lb) = b.storage_and_layout();
-        let (Storage::Cpu(ca), Storage::Cpu(cb)) = (&*sa, &*sb) else {
-            candle_core::bail!("{op}: operands off the CPU")
-        };
-        let (Some(ra), Some(rb)) = (la.contiguous_offsets(), lb.contiguous_offsets()) else {
-            candle_core::bail!("{op}: operands not contiguous")
-        };
-        zip_storage((ca, ra), (cb, rb), f, op)?
-    };
+    let out = on_values(&[a, b], op, |v| Some(zip_storage(v[0], v[1], f, op)))??;
     storage_tensor(out, a.shape())
 }
 
@@ -143,6 +149,48 @@ fn storage_tensor(s: CpuStorage, shape: &Shape) -> Result<Tensor> {
 
 fn mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     zip(a, b, |x, y| x * y, "amp-gated-mul")
+}
+
+/// The values of contiguous CPU tensors, each as its storage and offsets, for `f`; a typed
+/// error for a tensor off the CPU or not contiguous.
+fn with_cpu<R>(ts: &[&Tensor], op: &str, f: impl FnOnce(&[(&CpuStorage, (usize, usize))]) -> Result<R>) -> Result<R> {
+    let held: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
+    let mut views = Vec::with_capacity(held.len());
+    for (s, l) in &held {
+        let Storage::Cpu(c) = &**s else {
+            candle_core::bail!("{op}: operands off the CPU")
+        };
+        let Some(r) = l.contiguous_offsets() else {
+            candle_core::bail!("{op}: operands not contiguous")
+        };
+        views.push((c, r));
+    }
+    f(&views)
+}
+
+/// A view's values as `T` (`None`: another type).
+fn values<T: 'static>((c, (a, b)): (&CpuStorage, (usize, usize))) -> Option<&[T]> {
+    match c {
+        CpuStorage::F32(v) => retyped::<f32, T>(&v[a..b]),
+        CpuStorage::F16(v) => retyped::<f16, T>(&v[a..b]),
+        CpuStorage::BF16(v) => retyped::<bf16, T>(&v[a..b]),
+        _ => None,
+    }
+}
+
+/// `f` on the values of dense CPU tensors of one shape and one type (f32, f16, bf16), in
+/// that type; typed errors for anything else.
+fn on_values<R>(ts: &[&Tensor], op: &str, f: impl FnOnce(&[(&CpuStorage, (usize, usize))]) -> Option<R>) -> Result<R> {
+    if let Some(t) = ts.iter().find(|t| t.shape() != ts[0].shape()) {
+        candle_core::bail!("{op}: operands {:?} and {:?}", ts[0].dims(), t.dims())
+    }
+    let dense = ts.iter().map(|t| super::dense(t)).collect::<Result<Vec<_>>>()?;
+    let refs: Vec<&Tensor> = dense.iter().collect();
+    let out = with_cpu(&refs, op, |v| Ok(f(v)))?;
+    out.ok_or_else(|| {
+        let types: Vec<DType> = ts.iter().map(|t| t.dtype()).collect();
+        candle_core::Error::Msg(format!("{op}: operands of types {types:?}"))
+    })
 }
 
 /// SiLU as one op whose backward is one pass (`g * silu'(x)` in f32, rounded once).
@@ -260,13 +308,16 @@ impl Gated {
     pub(super) fn input_grad(&self, x_dtype: DType, g: &Tensor) -> Result<Option<Tensor>> {
         let missing = || candle_core::Error::Msg("amp-gated-mlp: no input gradient from down".into());
         let gp = self.down.bwd_x(&self.p, g, Dx::Dense)?.ok_or_else(missing)?;
-        let a = activate(&self.g, self.act)?;
-        // p = a * u: each operand's gradient rounded once, as candle's half `mul` rounds it.
-        let gu = mul(&gp, &a)?;
-        let ga = mul(&gp, &self.u)?;
-        drop(gp);
-        let gg = act_grad(&self.g, &a, &ga, self.act)?;
-        drop((a, ga));
+        let (gu, gg) = if self.act == GateAct::Silu {
+            silu_gate_grads(&gp, &self.g, &self.u)?
+        } else {
+            let a = activate(&self.g, self.act)?;
+            // p = a * u: each operand's gradient rounded once, as candle's half `mul` rounds it.
+            let gu = mul(&gp, &a)?;
+            let ga = mul(&gp, &self.u)?;
+            drop(gp);
+            (gu, act_grad(&self.g, &a, &ga, self.act)?)
+        };
         // x's two gradients summed in f32, rounded once.
         let dg = self.gate.bwd_x(&self.x, &gg, Dx::Wide)?;
         drop(gg);
@@ -377,7 +428,10 @@ pub(crate) fn build(
     // The forward, op by op as the unfused block runs them.
     let g = xc.apply_op1_no_bwd(&gate)?;
     let u = xc.apply_op1_no_bwd(&up)?;
-    let p = mul(&activate(&g, act)?, &u)?;
+    let p = match act {
+        GateAct::Silu => silu_gate(&g, &u)?,
+        _ => mul(&activate(&g, act)?, &u)?,
+    };
     let y = p.apply_op1_no_bwd(&down)?;
     Ok(Some(Gated {
         gate,

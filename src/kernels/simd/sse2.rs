@@ -123,31 +123,47 @@ pub(super) fn widen_bf16(s: &[bf16], d: &mut [f32]) {
 /// f32 -> bf16 over slices, bit for bit as [`super::bf16_bits`] (`half`'s rounding: to
 /// nearest even, a NaN kept and made quiet), eight values per step; the rest one by one.
 /// `half`'s own conversion branches per value on NaN, which keeps LLVM from vectorising it.
+/// The vector step rounds every value as a finite one (five integer operations per four
+/// values, the arithmetic shift leaving each result sign-extended for the saturating pack)
+/// and notes whether a NaN went by; eight values that held one are converted again value
+/// by value (a NaN's rounding can carry into the sign). NaN is rare in what is narrowed (an
+/// overflowing step's gradients), so the branch is always predicted and the common case
+/// pays no select.
 pub(super) fn narrow_bf16(s: &[f32], d: &mut [bf16]) {
     assert_eq!(s.len(), d.len(), "narrow_bf16: lengths differ");
     let body = s.len() - s.len() % 8;
+    // Out of line and cold: inlined, LLVM loaded the eight values into general registers
+    // on every step of the vector loop, ahead of the branch that almost never calls it.
+    #[cold]
+    #[inline(never)]
+    fn scalar(s: &[f32], d: &mut [bf16]) {
+        for (d, x) in d.iter_mut().zip(s) {
+            *d = bf16::from_bits(super::bf16_bits(x.to_bits()));
+        }
+    }
     // SAFETY: SSE2 is part of x86-64; every load and store is within the slices (2 x 4
     // values of `s`, 8 of `d` from index `i`, `i + 8 <= body`), unaligned allowed.
     unsafe {
         let abs = _mm_set1_epi32(0x7FFF_FFFF);
         let inf = _mm_set1_epi32(0x7F80_0000);
-        let (one, round, quiet) = (_mm_set1_epi32(1), _mm_set1_epi32(0x7FFF), _mm_set1_epi32(0x0040));
+        let (one, round) = (_mm_set1_epi32(1), _mm_set1_epi32(0x7FFF));
         for i in (0..body).step_by(8) {
             let mut out = [_mm_setzero_si128(); 2];
+            let mut nan = _mm_setzero_si128();
             for (j, out) in out.iter_mut().enumerate() {
                 let x = _mm_loadu_si128(s.as_ptr().add(i + 4 * j).cast());
-                let hi = _mm_srli_epi32(x, 16);
-                // Finite or infinite: add 0x7FFF plus the kept part's lowest bit, keep the
-                // high half (no carry past bit 31: the largest such pattern is -inf's).
-                let rounded = _mm_srli_epi32(_mm_add_epi32(_mm_add_epi32(x, round), _mm_and_si128(hi, one)), 16);
-                // NaN (magnitude above infinity's, a signed compare: both are below 2^31):
-                // the high half with the quiet bit set.
-                let nan = _mm_cmpgt_epi32(_mm_and_si128(x, abs), inf);
-                let v = select(nan, _mm_or_si128(hi, quiet), rounded);
-                // Sign-extended from 16 bits, so the saturating pack keeps each pattern.
-                *out = _mm_srai_epi32(_mm_slli_epi32(v, 16), 16);
+                // Add 0x7FFF plus the kept part's lowest bit, keep the high half: no carry
+                // past bit 31 for a finite or infinite value (the largest such pattern is
+                // -inf's), so the arithmetic shift gives the pattern sign-extended.
+                let lsb = _mm_and_si128(_mm_srli_epi32(x, 16), one);
+                *out = _mm_srai_epi32(_mm_add_epi32(_mm_add_epi32(x, round), lsb), 16);
+                // NaN: a magnitude above infinity's (a signed compare: both are below 2^31).
+                nan = _mm_or_si128(nan, _mm_cmpgt_epi32(_mm_and_si128(x, abs), inf));
             }
             _mm_storeu_si128(d.as_mut_ptr().add(i).cast(), _mm_packs_epi32(out[0], out[1]));
+            if _mm_movemask_epi8(nan) != 0 {
+                scalar(&s[i..i + 8], &mut d[i..i + 8]);
+            }
         }
     }
     for (d, x) in d[body..].iter_mut().zip(&s[body..]) {
