@@ -108,16 +108,26 @@ const F16_BLOCK: usize = 128;
 /// into an f32's place make a normal f32 2^-112 times the value, and a multiplication by
 /// 2^112 rebiases it exactly (zero stays zero; never arithmetic on an f32 subnormal, which
 /// costs a microcode assist on Intel cores). A block with a subnormal, infinity or NaN takes
-/// the general conversion. Both loops vectorise; the short one is about twice as fast.
+/// the general conversion. Both loops vectorise; the short one is about twice as fast. On
+/// x86-64 the SSE2 forms below instead, which take subnormals in the vector path too: on a
+/// CPU that multiplies subnormal inputs at full rate (and a thread without
+/// denormals-are-zero), one multiplication by 2^112 for every finite value.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) fn widen_f16(src: &[f16], dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len(), "widen_f16: lengths differ");
     let rebias = f32::from_bits((127 + 112) << 23);
+    #[cfg(target_arch = "x86_64")]
+    let scaled = sse2::scaled_widening_applies();
     for (s, d) in src.chunks(F16_BLOCK).zip(dst.chunks_mut(F16_BLOCK)) {
         // SSE2 (part of x86-64) in one pass: the short path's results and the check together.
         #[cfg(target_arch = "x86_64")]
         if s.len().is_multiple_of(8) {
-            if !sse2::widen_normal(s, d) {
+            let done = if scaled {
+                sse2::widen_scaled(s, d)
+            } else {
+                sse2::widen_normal(s, d)
+            };
+            if !done {
                 for (d, h) in d.iter_mut().zip(s) {
                     *d = f32::from_bits(f16_to_f32_bits(h.to_bits()));
                 }
@@ -504,6 +514,52 @@ mod tests {
 
     /// The blocked slice conversions equal the per-value ones: every f16 value (in blocks
     /// with and without odd values), and f32 values across every f16 range and boundary.
+    /// Both SSE2 widening forms give every finite f16 exactly, whichever this CPU takes
+    /// (the scaled one's subnormals included, however fast the CPU multiplies them), and
+    /// report a block with infinity or NaN; on a thread whose MXCSR flushes subnormal inputs
+    /// (denormals-are-zero), `widen_f16` stays exact, where the scaled form is not (the check
+    /// that keeps it from that thread is live).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn both_sse2_widenings_are_exact_and_denormals_are_zero_is_respected() {
+        let finite: Vec<f16> = (0..=u16::MAX)
+            .map(f16::from_bits)
+            .filter(|h| h.to_bits() & 0x7C00 != 0x7C00)
+            .collect();
+        let n = finite.len() - finite.len() % 8;
+        let exact = |got: &[f32]| {
+            for (h, g) in finite.iter().zip(got) {
+                assert_eq!(g.to_bits(), f16_to_f32_bits(h.to_bits()), "{:#06x}", h.to_bits());
+            }
+        };
+        type Form = fn(&[f16], &mut [f32]) -> bool;
+        for form in [sse2::widen_normal as Form, sse2::widen_scaled as Form] {
+            let mut got = vec![0f32; n];
+            assert!(form(&finite[..n], &mut got));
+            exact(&got);
+            let mut odd = finite[..8].to_vec();
+            odd[3] = f16::INFINITY;
+            assert!(!form(&odd, &mut got[..8]));
+        }
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                // Denormals-are-zero (MXCSR bit 6) on this thread only.
+                let mut csr: u32 = 0;
+                // SAFETY: `stmxcsr` / `ldmxcsr` store and load the 32-bit MXCSR (SSE).
+                unsafe {
+                    std::arch::asm!("stmxcsr [{}]", in(reg) &mut csr, options(nostack, preserves_flags));
+                    csr |= 1 << 6;
+                    std::arch::asm!("ldmxcsr [{}]", in(reg) &csr, options(nostack, preserves_flags));
+                }
+                let mut got = vec![0f32; n];
+                widen_f16(&finite[..n], &mut got);
+                exact(&got);
+                sse2::widen_scaled(&finite[..n], &mut got);
+                assert_eq!(got[1], 0.0, "the scaled form flushes f16 subnormals under DAZ");
+            });
+        });
+    }
+
     #[test]
     fn blocked_f16_conversions_match_the_per_value_ones() {
         let all: Vec<f16> = (0..=u16::MAX).map(f16::from_bits).collect();

@@ -60,6 +60,96 @@ pub(super) fn widen_normal(s: &[f16], d: &mut [f32]) -> bool {
 }
 
 /// Writes every value of `s` (a multiple of 8 long) to `d`, exactly as
+/// [`super::f16_to_f32_bits`] for every finite value, with one f32 multiplication per four
+/// values in place of [`widen_normal`]'s two paths and select: the magnitude's bits shifted
+/// into an f32's place are 2^-112 times the value (an f32 subnormal for an f16 subnormal),
+/// and multiplying by 2^112 gives it exactly. False if any value is infinity or NaN (the
+/// caller converts the block again per value). Only where [`scaled_widening_applies`]: the
+/// multiplication reads subnormal inputs, which a CPU may take a microcode assist for, and
+/// which flush to zero under the MXCSR's denormals-are-zero mode.
+pub(super) fn widen_scaled(s: &[f16], d: &mut [f32]) -> bool {
+    assert!(s.len() == d.len() && s.len().is_multiple_of(8));
+    // SAFETY: SSE2 is part of x86-64; every load and store is within the slices (8
+    // values of `s`, 2 x 4 of `d` from index `i`, `i + 8 <= len`), unaligned allowed.
+    unsafe {
+        let zero = _mm_setzero_si128();
+        let (mag_m, exp_m) = (_mm_set1_epi16(0x7FFF), _mm_set1_epi16(0x7C00));
+        let sign_m = _mm_set1_epi16(0x8000u16 as i16);
+        let scale = _mm_castsi128_ps(_mm_set1_epi32((127 + 112) << 23));
+        let mut odd = zero;
+        for i in (0..s.len()).step_by(8) {
+            let h = _mm_loadu_si128(s.as_ptr().add(i).cast());
+            let mag = _mm_and_si128(h, mag_m);
+            let sign = _mm_and_si128(h, sign_m);
+            odd = _mm_or_si128(odd, _mm_cmpeq_epi16(_mm_and_si128(h, exp_m), exp_m));
+            let halves = [
+                (_mm_unpacklo_epi16(mag, zero), _mm_unpacklo_epi16(zero, sign)),
+                (_mm_unpackhi_epi16(mag, zero), _mm_unpackhi_epi16(zero, sign)),
+            ];
+            for (j, (m, sg)) in halves.into_iter().enumerate() {
+                let v = _mm_mul_ps(_mm_castsi128_ps(_mm_slli_epi32(m, 13)), scale);
+                _mm_storeu_si128(
+                    d.as_mut_ptr().add(i + 4 * j).cast(),
+                    _mm_or_si128(_mm_castps_si128(v), sg),
+                );
+            }
+        }
+        _mm_movemask_epi8(odd) == 0
+    }
+}
+
+/// How much slower a multiplication of subnormal inputs may be than of normal ones for
+/// [`widen_scaled`] to be used: a microcode assist (Intel cores without denormals-are-zero)
+/// costs on the order of a hundred cycles, tens of times the measured ratio; AMD Zen 4
+/// multiplies subnormals at full rate (measured: 1.1x).
+const SUBNORMAL_SLOWDOWN_MAX: f64 = 1.5;
+
+/// Whether [`widen_scaled`] may be used on this thread now: this CPU multiplies subnormal
+/// f32 inputs at about the normal rate (measured once per process: a few microseconds, about
+/// a millisecond where each takes an assist)
+/// and the thread's MXCSR does not flush subnormal inputs to zero (denormals-are-zero, which
+/// code built with `-ffast-math` may set, would turn every f16 subnormal into a zero).
+pub(super) fn scaled_widening_applies() -> bool {
+    static FAST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let fast = *FAST.get_or_init(|| {
+        let best = |v: f32| (0..4).map(|_| multiply_time(v)).fold(f64::INFINITY, f64::min);
+        let (normal, sub) = (best(1.5), best(f32::MIN_POSITIVE / 3.0));
+        sub <= normal * SUBNORMAL_SLOWDOWN_MAX
+    });
+    fast && !denormals_are_zero()
+}
+
+/// Seconds for 16384 multiplications of `v` by 2^112, four per instruction, independent.
+fn multiply_time(v: f32) -> f64 {
+    let src = [std::hint::black_box(v); 64];
+    let t = std::time::Instant::now();
+    // SAFETY: SSE2 is part of x86-64; the loads are within `src` (64 values, 4 at a time).
+    let acc = unsafe {
+        let scale = _mm_set1_ps(f32::from_bits((127 + 112) << 23));
+        let mut acc = _mm_setzero_ps();
+        for _ in 0..64 {
+            for c in 0..16 {
+                let x = _mm_loadu_ps(std::hint::black_box(&src).as_ptr().add(4 * c));
+                acc = _mm_or_ps(acc, _mm_mul_ps(x, scale));
+            }
+        }
+        acc
+    };
+    std::hint::black_box(acc);
+    t.elapsed().as_secs_f64()
+}
+
+/// Whether this thread's MXCSR has denormals-are-zero set (bit 6).
+fn denormals_are_zero() -> bool {
+    let mut csr: u32 = 0;
+    // SAFETY: `stmxcsr` stores the 32-bit MXCSR to the given address (SSE, part of x86-64).
+    unsafe {
+        std::arch::asm!("stmxcsr [{}]", in(reg) &mut csr, options(nostack, preserves_flags));
+    }
+    csr & (1 << 6) != 0
+}
+
+/// Writes every value of `s` (a multiple of 8 long) to `d`, exactly as
 /// [`super::f16_bits`] for every magnitude below 2^16; false if any is 2^16 or more
 /// (infinity, NaN included), whose results are then wrong (the caller converts the block
 /// again per value).
