@@ -27,10 +27,9 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Storage, Tensor};
-
-use super::chain::ChainLayer;
 use half::{bf16, f16};
 
+use super::chain::ChainLayer;
 use super::dispatch::{Kernel, split_zip};
 use super::simd::{Elem, retyped};
 use super::slices::{Vx, convert_serial as convert};
@@ -151,23 +150,6 @@ fn mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     zip(a, b, |x, y| x * y, "amp-gated-mul")
 }
 
-/// The values of contiguous CPU tensors, each as its storage and offsets, for `f`; a typed
-/// error for a tensor off the CPU or not contiguous.
-fn with_cpu<R>(ts: &[&Tensor], op: &str, f: impl FnOnce(&[(&CpuStorage, (usize, usize))]) -> Result<R>) -> Result<R> {
-    let held: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
-    let mut views = Vec::with_capacity(held.len());
-    for (s, l) in &held {
-        let Storage::Cpu(c) = &**s else {
-            candle_core::bail!("{op}: operands off the CPU")
-        };
-        let Some(r) = l.contiguous_offsets() else {
-            candle_core::bail!("{op}: operands not contiguous")
-        };
-        views.push((c, r));
-    }
-    f(&views)
-}
-
 /// A view's values as `T` (`None`: another type).
 fn values<T: 'static>((c, (a, b)): (&CpuStorage, (usize, usize))) -> Option<&[T]> {
     match c {
@@ -178,16 +160,26 @@ fn values<T: 'static>((c, (a, b)): (&CpuStorage, (usize, usize))) -> Option<&[T]
     }
 }
 
-/// `f` on the values of dense CPU tensors of one shape and one type (f32, f16, bf16), in
-/// that type; typed errors for anything else.
+/// `f` on the values of CPU tensors of one shape and one type (f32, f16, bf16), made dense,
+/// each as its storage and offsets; typed errors for anything else (another shape, a tensor
+/// off the CPU, `f` finding another type).
 fn on_values<R>(ts: &[&Tensor], op: &str, f: impl FnOnce(&[(&CpuStorage, (usize, usize))]) -> Option<R>) -> Result<R> {
     if let Some(t) = ts.iter().find(|t| t.shape() != ts[0].shape()) {
         candle_core::bail!("{op}: operands {:?} and {:?}", ts[0].dims(), t.dims())
     }
     let dense = ts.iter().map(|t| super::dense(t)).collect::<Result<Vec<_>>>()?;
-    let refs: Vec<&Tensor> = dense.iter().collect();
-    let out = with_cpu(&refs, op, |v| Ok(f(v)))?;
-    out.ok_or_else(|| {
+    let held: Vec<_> = dense.iter().map(|t| t.storage_and_layout()).collect();
+    let mut views = Vec::with_capacity(held.len());
+    for (s, l) in &held {
+        let Storage::Cpu(c) = &**s else {
+            candle_core::bail!("{op}: operands off the CPU")
+        };
+        let Some(r) = l.contiguous_offsets() else {
+            candle_core::bail!("{op}: operands not contiguous")
+        };
+        views.push((c, r));
+    }
+    f(&views).ok_or_else(|| {
         let types: Vec<DType> = ts.iter().map(|t| t.dtype()).collect();
         candle_core::Error::Msg(format!("{op}: operands of types {types:?}"))
     })

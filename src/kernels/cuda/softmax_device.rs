@@ -7,7 +7,7 @@ use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Tensor};
 
 use super::{Pass, SOURCE, plan};
-use crate::kernels::cuda::buffers::{alloc, config, push_in, push_out, view, wrap};
+use crate::kernels::cuda::buffers::{alloc, config, no_kernel, push_in, push_out, view, wrap};
 use crate::kernels::cuda::nvrtc::Kernels;
 
 /// The kernels of `softmax.cu`: NVRTC's PTX and the module loaded per device.
@@ -52,8 +52,7 @@ impl CustomOp1 for Forward {
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
         let what = self.name();
         let (rows, cols, q_len) = rows_cols(l);
-        let launch = plan(Pass::Forward, rows, cols, s.dtype(), self.out)
-            .ok_or_else(|| candle_core::Error::Msg(format!("{what}: no kernel for {:?}", l.shape())))?;
+        let launch = plan(Pass::Forward, rows, cols, s.dtype(), self.out).ok_or_else(|| no_kernel(what, l))?;
         let dev = s.device().clone();
         let ptx = KERNELS.ptx(&dev).map_err(candle_core::Error::Msg)?;
         let func = dev.get_or_load_custom_func(&launch.kernel, KERNELS.module, &ptx)?;
@@ -114,8 +113,7 @@ impl CustomOp2 for Backward {
             );
         }
         let (rows, cols, _) = rows_cols(l1);
-        let launch = plan(Pass::Backward, rows, cols, s1.dtype(), self.out)
-            .ok_or_else(|| candle_core::Error::Msg(format!("{what}: no kernel for {:?}", l1.shape())))?;
+        let launch = plan(Pass::Backward, rows, cols, s1.dtype(), self.out).ok_or_else(|| no_kernel(what, l1))?;
         let dev = s1.device().clone();
         let ptx = KERNELS.ptx(&dev).map_err(candle_core::Error::Msg)?;
         let func = dev.get_or_load_custom_func(&launch.kernel, KERNELS.module, &ptx)?;

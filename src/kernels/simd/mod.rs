@@ -465,9 +465,8 @@ mod tests {
         }
     }
 
-    /// The SSE2 bf16 slice conversions equal `half`'s per value (a NaN's widening aside): every
-    /// bf16 value widened,
-    /// and f32 patterns narrowed across every rounding boundary kind (a dense sweep, the
+    /// The SSE2 bf16 slice conversions equal `half`'s per value (a NaN's widening aside):
+    /// every bf16 value widened, and f32 patterns narrowed across every rounding boundary kind (a dense sweep, the
     /// midpoints between bf16 values and their neighbours, infinities, NaNs with payloads
     /// only in the dropped bits), at every length mod 8 (the tail).
     #[cfg(target_arch = "x86_64")]
@@ -512,8 +511,6 @@ mod tests {
         }
     }
 
-    /// The blocked slice conversions equal the per-value ones: every f16 value (in blocks
-    /// with and without odd values), and f32 values across every f16 range and boundary.
     /// Both SSE2 widening forms give every finite f16 exactly, whichever this CPU takes
     /// (the scaled one's subnormals included, however fast the CPU multiplies them), and
     /// report a block with infinity or NaN; on a thread whose MXCSR flushes subnormal inputs
@@ -560,6 +557,8 @@ mod tests {
         });
     }
 
+    /// The blocked slice conversions equal the per-value ones: every f16 value (in blocks
+    /// with and without odd values), and f32 values across every f16 range and boundary.
     #[test]
     fn blocked_f16_conversions_match_the_per_value_ones() {
         let all: Vec<f16> = (0..=u16::MAX).map(f16::from_bits).collect();

@@ -106,9 +106,9 @@ const SUBNORMAL_SLOWDOWN_MAX: f64 = 1.5;
 
 /// Whether [`widen_scaled`] may be used on this thread now: this CPU multiplies subnormal
 /// f32 inputs at about the normal rate (measured once per process: a few microseconds, about
-/// a millisecond where each takes an assist)
-/// and the thread's MXCSR does not flush subnormal inputs to zero (denormals-are-zero, which
-/// code built with `-ffast-math` may set, would turn every f16 subnormal into a zero).
+/// a millisecond where each takes an assist) and the thread's MXCSR does not flush subnormal
+/// inputs to zero (denormals-are-zero, which code built with `-ffast-math` may set, would
+/// turn every f16 subnormal into a zero).
 pub(super) fn scaled_widening_applies() -> bool {
     static FAST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let fast = *FAST.get_or_init(|| {
@@ -222,8 +222,9 @@ pub(super) fn widen_bf16(s: &[bf16], d: &mut [f32]) {
 pub(super) fn narrow_bf16(s: &[f32], d: &mut [bf16]) {
     assert_eq!(s.len(), d.len(), "narrow_bf16: lengths differ");
     let body = s.len() - s.len() % 8;
-    // Out of line and cold: inlined, LLVM loaded the eight values into general registers
-    // on every step of the vector loop, ahead of the branch that almost never calls it.
+    // Out of line and cold (it also converts the tail): inlined, LLVM loaded the eight
+    // values into general registers on every step of the vector loop, ahead of the branch
+    // that almost never calls it.
     #[cold]
     #[inline(never)]
     fn scalar(s: &[f32], d: &mut [bf16]) {
@@ -256,7 +257,5 @@ pub(super) fn narrow_bf16(s: &[f32], d: &mut [bf16]) {
             }
         }
     }
-    for (d, x) in d[body..].iter_mut().zip(&s[body..]) {
-        *d = bf16::from_bits(super::bf16_bits(x.to_bits()));
-    }
+    scalar(&s[body..], &mut d[body..]);
 }
